@@ -1,0 +1,32 @@
+"""The `relocator` command line. Each command group lives in its own module and registers here."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="relocator",
+    help="Move running LLM serving workers between nodes, with their traffic.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+bench_app = typer.Typer(help="Benchmarks that print figures side by side with their baseline.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+def _register() -> None:
+    # Imported for their side effect of adding commands to `app` / `bench_app`.
+    import importlib
+
+    for name in ("preflight", "model", "snapshot", "demo", "simulate", "router", "cluster"):
+        try:
+            importlib.import_module(f"relocator.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"relocator.cli.{name}":
+                raise
+
+
+def main() -> None:
+    _register()
+    app()

