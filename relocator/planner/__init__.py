@@ -1,0 +1,67 @@
+"""relocator.planner: pure placement and defragmentation planning (no Ray, no I/O).
+
+The controller calls::
+
+    from relocator import planner
+    cluster = planner.Cluster([planner.NodeSpec("n1", 64000, 262144, 8, "A100"), ...])
+    cluster.add(planner.Workload("w1", 8000, 32768, num_gpu=2, gpu_milli=1000), "n1")
+    planner.place(cluster, workload, policy="fgd")          # Placement | None
+    planner.defragment(cluster, workload, max_moves=2)      # Plan | None (moves, then placement)
+    planner.evacuate(cluster, "n1")                         # Plan (drain a node)
+    planner.consolidate(cluster, max_moves=10)              # Plan (free whole nodes)
+    planner.apply_plan(cluster, plan, workload)             # execute, each step checked
+"""
+
+from relocator.planner.cluster import (
+    MILLI,
+    Cluster,
+    Move,
+    NodeSpec,
+    Placement,
+    Plan,
+    PlannerError,
+    Workload,
+)
+from relocator.planner.planners import apply_plan, consolidate, defragment, evacuate, place
+from relocator.planner.policies import (
+    BestFitPolicy,
+    DotProductPolicy,
+    FGDPolicy,
+    Policy,
+    RandomPolicy,
+    TypicalPods,
+    canonical_policy_name,
+    cluster_fragmentation_milli,
+    fragmentation,
+    get_policy,
+    policy_names,
+    register_policy,
+)
+
+__all__ = [
+    "MILLI",
+    "BestFitPolicy",
+    "Cluster",
+    "DotProductPolicy",
+    "FGDPolicy",
+    "Move",
+    "NodeSpec",
+    "Placement",
+    "Plan",
+    "PlannerError",
+    "Policy",
+    "RandomPolicy",
+    "TypicalPods",
+    "Workload",
+    "apply_plan",
+    "canonical_policy_name",
+    "cluster_fragmentation_milli",
+    "consolidate",
+    "defragment",
+    "evacuate",
+    "fragmentation",
+    "get_policy",
+    "place",
+    "policy_names",
+    "register_policy",
+]

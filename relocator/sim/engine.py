@@ -1,0 +1,240 @@
+"""The trace simulator, following the FGD authors' protocol (hkust-adsl/kubernetes-scheduler-simulator,
+``experiments/run_scripts``: ``-tune 1.3 -tuneseed S --shuffle-pod=true``):
+
+1. the trace's pods, sorted by name, are shuffled with the seed (``order="shuffle"``, as in the
+   authors' run scripts) or kept in submission order (``order="submission"``, by
+   ``creation_time``);
+2. workload tuning: pods drawn uniformly at random (same seed) from the trace are appended until
+   the requested GPU would exceed ``tune_ratio`` x cluster capacity (the authors' test adds the
+   per-GPU share ``gpu_milli`` of the drawn pod; we keep that quirk);
+3. each pod is placed by the policy where CPU, memory and GPU fit, or fails and is dropped; no
+   departures. With ``relocate``, a pod that fits nowhere triggers the defragmentation planner
+   (at most ``moves_per_pod`` moves for it, ``max_moves`` in total);
+4. after each pod: allocated GPU vs arrived GPU demand. The figure at x% load is the mean
+   allocation over the pods where arrived demand rounds to x% (the authors' analysis script).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from relocator.planner.cluster import Cluster, NodeSpec
+from relocator.planner.planners import apply_plan, defragment
+from relocator.planner.policies import FGDPolicy, TypicalPods, canonical_policy_name, cluster_fragmentation_milli, get_policy
+from relocator.sim.trace import TracePod
+
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclass
+class SimResult:
+    policy: str
+    relocate: bool
+    seed: int
+    pods: int
+    failed: int
+    capacity_gpus: float
+    alloc_pct_at_100: float
+    alloc_pct_at_130: float
+    unalloc_gpus_at_100: float
+    unalloc_gpus_at_130: float
+    frag_pct_at_end: float
+    moves: int
+    moved_gpus: float
+    seconds: float
+    curve_arrived_pct: list[float] = field(default_factory=list, repr=False)
+    curve_alloc_pct: list[float] = field(default_factory=list, repr=False)
+
+    def summary(self) -> dict:
+        d = asdict(self)
+        d.pop("curve_arrived_pct")
+        d.pop("curve_alloc_pct")
+        return d
+
+
+def build_workload(pods: Sequence[TracePod], seed: int, tune_ratio: float, capacity_milli: int, order: str = "shuffle") -> list[TracePod]:
+    """Arrival sequence for one seed (steps 1-2 of the protocol)."""
+    rng = np.random.default_rng(seed)
+    by_name = sorted(pods, key=lambda p: p.workload.id)
+    if order == "shuffle":
+        seq = [by_name[i] for i in rng.permutation(len(by_name))]
+    elif order == "submission":
+        seq = sorted(pods, key=lambda p: (p.creation_time, p.workload.id))
+    else:
+        raise ValueError(f"order must be 'shuffle' or 'submission', not {order!r}")
+    if tune_ratio <= 0:
+        return seq
+    target = tune_ratio * capacity_milli
+    total = sum(p.workload.total_gpu_milli for p in seq)
+    if total > target:  # tune down: drop random pods
+        seq = list(seq)
+        while total > target and seq:
+            p = seq.pop(int(rng.integers(len(seq))))
+            total -= p.workload.total_gpu_milli
+        return seq
+    out = list(seq)
+    i = 0
+    n = len(by_name)
+    while True:
+        src = by_name[int(rng.integers(n))]
+        if total + src.workload.gpu_milli > target:
+            break
+        w = src.workload
+        tuned = type(w)(f"{w.id}-tuned-{i}", w.cpu_milli, w.memory_mib, w.num_gpu, w.gpu_milli, w.gpu_model, w.relocatable, w.move_cost_bytes)
+        out.append(TracePod(tuned, src.creation_time))
+        total += w.total_gpu_milli
+        i += 1
+    return out
+
+
+def _at(arr_pct: np.ndarray, alloc_pct: np.ndarray, x: int) -> float:
+    r = np.round(arr_pct)
+    sel = r == x
+    if not sel.any():
+        sel = (r >= x - 1) & (r <= x + 1)
+    if not sel.any():
+        # load never reached x%: the last value
+        return float(alloc_pct[-1]) if len(alloc_pct) else 0.0
+    return float(alloc_pct[sel].mean())
+
+
+def simulate(
+    nodes: Sequence[NodeSpec],
+    pods: Sequence[TracePod],
+    policy: str,
+    seed: int = 42,
+    tune_ratio: float = 1.3,
+    order: str = "shuffle",
+    relocate: bool = False,
+    moves_per_pod: int = 2,
+    max_moves: int | None = None,
+    typical: TypicalPods | None = None,
+    progress: ProgressFn | None = None,
+) -> SimResult:
+    """One run of the protocol for one policy and seed."""
+    t0 = time.perf_counter()
+    name = canonical_policy_name(policy)
+    cluster = Cluster(nodes)
+    cap = cluster.gpu_capacity_milli
+    if typical is None:
+        typical = TypicalPods.from_workloads([p.workload for p in pods])
+    pol = get_policy(name, typical=typical) if name == "fgd" else get_policy(name)
+    seq = build_workload(pods, seed, tune_ratio, cap, order)
+    rng = np.random.default_rng(seed + 1_000_003)
+    arrived = 0
+    used = 0
+    arr = np.zeros(len(seq), dtype=np.float64)
+    alloc = np.zeros(len(seq), dtype=np.float64)
+    failed = moves = moved_milli = 0
+    step = max(1, len(seq) // 100)
+    for i, tp in enumerate(seq):
+        w = tp.workload
+        arrived += w.total_gpu_milli
+        pl = pol.select(cluster, w, rng=rng)
+        if pl is not None:
+            cluster.add(w, pl.node, pl.gpus)
+            used += w.total_gpu_milli
+        elif relocate and (max_moves is None or moves < max_moves):
+            budget = moves_per_pod if max_moves is None else min(moves_per_pod, max_moves - moves)
+            plan = defragment(cluster, w, max_moves=budget, policy=pol, rng=rng)
+            if plan is not None and plan.placement is not None:
+                apply_plan(cluster, plan, w)
+                used += w.total_gpu_milli
+                moves += plan.num_moves
+                moved_milli += plan.moved_gpu_milli
+            else:
+                failed += 1
+        else:
+            failed += 1
+        arr[i] = 100.0 * arrived / cap
+        alloc[i] = 100.0 * used / cap
+        if progress is not None and (i % step == 0 or i == len(seq) - 1):
+            progress(i + 1, len(seq))
+    a100 = _at(arr, alloc, 100)
+    a130 = _at(arr, alloc, 130)
+    cap_gpus = cap / 1000.0
+    frag_typ = typical
+    frag = cluster_fragmentation_milli(cluster, frag_typ) / cap * 100.0
+    # thin the curve to ~400 points for plots and JSON
+    idx = np.unique(np.linspace(0, len(seq) - 1, min(400, len(seq))).astype(int)) if len(seq) else np.zeros(0, int)
+    return SimResult(
+        policy=name,
+        relocate=relocate,
+        seed=seed,
+        pods=len(seq),
+        failed=failed,
+        capacity_gpus=cap_gpus,
+        alloc_pct_at_100=round(a100, 3),
+        alloc_pct_at_130=round(a130, 3),
+        unalloc_gpus_at_100=round(cap_gpus * (1 - a100 / 100.0), 2),
+        unalloc_gpus_at_130=round(cap_gpus * (1 - a130 / 100.0), 2),
+        frag_pct_at_end=round(frag, 3),
+        moves=moves,
+        moved_gpus=round(moved_milli / 1000.0, 3),
+        seconds=round(time.perf_counter() - t0, 3),
+        curve_arrived_pct=[round(float(x), 3) for x in arr[idx]],
+        curve_alloc_pct=[round(float(x), 3) for x in alloc[idx]],
+    )
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return float(np.mean(xs)) if len(xs) else 0.0
+
+
+def aggregate(results: Sequence[SimResult]) -> dict:
+    """Means over seeds for one (policy, relocate) variant, in the CLI's JSON shape."""
+    r0 = results[0]
+    return {
+        "policy": r0.policy,
+        "relocate": r0.relocate,
+        "seeds": [r.seed for r in results],
+        "unalloc_gpus_at_100": round(_mean([r.unalloc_gpus_at_100 for r in results]), 2),
+        "unalloc_gpus_at_130": round(_mean([r.unalloc_gpus_at_130 for r in results]), 2),
+        "unalloc_gpus_at_130_min": round(min(r.unalloc_gpus_at_130 for r in results), 2),
+        "unalloc_gpus_at_130_max": round(max(r.unalloc_gpus_at_130 for r in results), 2),
+        "alloc_pct_at_100": round(_mean([r.alloc_pct_at_100 for r in results]), 3),
+        "alloc_pct_at_130": round(_mean([r.alloc_pct_at_130 for r in results]), 3),
+        "frag_pct_at_end": round(_mean([r.frag_pct_at_end for r in results]), 3),
+        "moves": round(_mean([r.moves for r in results]), 1),
+        "moved_gpus": round(_mean([r.moved_gpus for r in results]), 2),
+        "failed_pods": round(_mean([r.failed for r in results]), 1),
+        "seconds": round(sum(r.seconds for r in results), 2),
+    }
+
+
+def run_many(
+    nodes: Sequence[NodeSpec],
+    pods: Sequence[TracePod],
+    policies: Sequence[str],
+    seeds: Sequence[int],
+    relocate: bool = False,
+    tune_ratio: float = 1.3,
+    order: str = "shuffle",
+    moves_per_pod: int = 2,
+    max_moves: int | None = None,
+    on_run: Callable[[str, bool, int], None] | None = None,
+    progress: ProgressFn | None = None,
+) -> list[tuple[dict, list[SimResult]]]:
+    """All (policy, variant) x seeds; with ``relocate`` both the plain and the relocating
+    variant of each policy."""
+    typical = TypicalPods.from_workloads([p.workload for p in pods])
+    out = []
+    variants = [False, True] if relocate else [False]
+    for pol in policies:
+        for rel in variants:
+            runs = []
+            for s in seeds:
+                if on_run is not None:
+                    on_run(pol, rel, s)
+                runs.append(
+                    simulate(nodes, pods, pol, s, tune_ratio, order, rel, moves_per_pod, max_moves, typical, progress)
+                )
+            out.append((aggregate(runs), runs))
+    return out
+
+
+__all__ = ["FGDPolicy", "SimResult", "aggregate", "build_workload", "run_many", "simulate"]
