@@ -1,0 +1,128 @@
+"""Control-API client, async (`RouterControl`) and sync (`RouterControlSync`).
+
+    async with RouterControl("http://127.0.0.1:8001", token=...) as rc:
+        await rc.hold("w1"); ...; await rc.switch("w1", "http://10.251.0.2:8000")
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+
+class ControlError(Exception):
+    def __init__(self, status: int, body: Any) -> None:
+        msg = body.get("error", {}).get("message") if isinstance(body, dict) else body
+        super().__init__(f"{status}: {msg}")
+        self.status = status
+        self.body = body
+
+
+def _paths(worker: str | None = None) -> dict[str, str]:
+    from urllib.parse import quote
+
+    w = quote(worker or "", safe="")
+    return {"replicas": "/control/replicas", "replica": f"/control/replicas/{w}",
+            "hold": f"/control/workers/{w}/hold", "switch": f"/control/workers/{w}/switch",
+            "release": f"/control/workers/{w}/release"}
+
+
+class RouterControl:
+    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 10.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self.timeout_s = timeout_s
+        self._session = None
+
+    async def __aenter__(self) -> "RouterControl":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _call(self, method: str, path: str, body: dict | None = None) -> Any:
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        async with self._session.request(method, self.base_url + path, json=body,
+                                         headers=headers) as r:
+            data = await r.json(content_type=None)
+            if r.status >= 400:
+                raise ControlError(r.status, data)
+            return data
+
+    async def replicas(self) -> dict:
+        return await self._call("GET", _paths()["replicas"])
+
+    async def add_replica(self, worker_id: str, model: str, url: str) -> dict:
+        return await self._call("POST", _paths()["replicas"],
+                                {"worker_id": worker_id, "model": model, "url": url})
+
+    async def remove_replica(self, worker_id: str) -> dict:
+        return await self._call("DELETE", _paths(worker_id)["replica"])
+
+    async def hold(self, worker_id: str) -> dict:
+        return await self._call("POST", _paths(worker_id)["hold"])
+
+    async def switch(self, worker_id: str, endpoint: str, release: bool = True) -> dict:
+        return await self._call("POST", _paths(worker_id)["switch"],
+                                {"endpoint": endpoint, "release": release})
+
+    async def release(self, worker_id: str) -> dict:
+        return await self._call("POST", _paths(worker_id)["release"])
+
+
+class RouterControlSync:
+    """Same calls, blocking, stdlib only (usable from a Ray actor without an event loop)."""
+
+    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 10.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.base_url + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                return json.loads(r.read() or b"null")
+        except urllib.error.HTTPError as e:
+            raw = e.read()
+            try:
+                payload = json.loads(raw)
+            except ValueError:
+                payload = raw.decode(errors="replace")
+            raise ControlError(e.code, payload) from None
+
+    def replicas(self) -> dict:
+        return self._call("GET", _paths()["replicas"])
+
+    def add_replica(self, worker_id: str, model: str, url: str) -> dict:
+        return self._call("POST", _paths()["replicas"],
+                          {"worker_id": worker_id, "model": model, "url": url})
+
+    def remove_replica(self, worker_id: str) -> dict:
+        return self._call("DELETE", _paths(worker_id)["replica"])
+
+    def hold(self, worker_id: str) -> dict:
+        return self._call("POST", _paths(worker_id)["hold"])
+
+    def switch(self, worker_id: str, endpoint: str, release: bool = True) -> dict:
+        return self._call("POST", _paths(worker_id)["switch"],
+                          {"endpoint": endpoint, "release": release})
+
+    def release(self, worker_id: str) -> dict:
+        return self._call("POST", _paths(worker_id)["release"])

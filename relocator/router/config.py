@@ -1,0 +1,96 @@
+"""Router configuration: YAML file and/or RELOCATOR_ROUTER_* environment variables
+(environment wins), validated by pydantic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from .policies import POLICIES
+
+
+class BackendConfig(BaseModel):
+    model: str
+    url: str
+    worker_id: str | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"backend url must start with http:// or https://: {v!r}")
+        return v.rstrip("/")
+
+
+class RouterSettings(BaseSettings):
+    """Every field can be overridden as RELOCATOR_ROUTER_<FIELD> (nested: `__`)."""
+
+    model_config = SettingsConfigDict(env_prefix="RELOCATOR_ROUTER_", env_nested_delimiter="__",
+                                      extra="forbid")
+
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=0, le=65535)
+    control_host: str = "127.0.0.1"
+    control_port: int = Field(8001, ge=0, le=65535)
+    #: bearer token for the control API; unset = control API bound to loopback only
+    control_token: str | None = None
+    policy: str = "least_in_flight"
+    policy_args: dict[str, Any] = Field(default_factory=dict)
+    engine: str = "vllm"
+    backends: list[BackendConfig] = Field(default_factory=list)
+    hold_queue_max: int = Field(1024, ge=0)
+    hold_timeout_s: float = Field(60.0, gt=0)
+    prefer_sibling_when_held: bool = True
+    max_body_bytes: int = Field(4 << 20, gt=0)
+    retries: int = Field(2, ge=0)
+    max_continuations: int = Field(8, ge=0)
+    continuation: bool = True
+    connect_timeout_s: float = Field(5.0, gt=0)
+    #: per upstream connection pool limit (0 = unlimited)
+    pool_limit: int = Field(0, ge=0)
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, v: str) -> str:
+        if v not in POLICIES:
+            raise ValueError(f"unknown policy {v!r}; known: {sorted(POLICIES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _loopback(self) -> "RouterSettings":
+        if not self.control_token and self.control_host not in ("127.0.0.1", "::1", "localhost"):
+            raise ValueError("the control API without control_token may only listen on loopback "
+                             f"(control_host={self.control_host!r})")
+        return self
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings],
+                                   init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource):
+        # environment overrides the file (passed as init kwargs)
+        return env_settings, init_settings, dotenv_settings, file_secret_settings
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, **overrides: Any) -> "RouterSettings":
+        data: dict[str, Any] = {}
+        if path is not None:
+            import yaml
+
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+            data = raw.get("router", raw) if isinstance(raw, dict) else {}
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**data)
+
+
+def parse_backend(spec: str) -> BackendConfig:
+    """`model=url` or `worker@model=url`."""
+    if "=" not in spec:
+        raise ValueError(f"backend must be MODEL=URL or WORKER@MODEL=URL: {spec!r}")
+    left, url = spec.split("=", 1)
+    worker, _, model = left.rpartition("@")
+    return BackendConfig(model=model, url=url, worker_id=worker or None)

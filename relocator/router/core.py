@@ -1,0 +1,412 @@
+"""The transport-agnostic router core.
+
+A front end (the aiohttp server here; an Envoy ext_proc service or another proxy elsewhere)
+gives `RouterCore.handle()` the request path kind and raw body and gets back a `Unary` or a
+`Stream` (an async iterator of bytes to write). The core does parsing and validation,
+replica selection (policies, hold queue), retries before the first byte, and stream
+continuation across a switch or a broken upstream. I/O to the engines goes through the
+`Upstream` protocol, so tests can use fakes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Mapping, Protocol
+
+from . import errors
+from .engine import ContinuationEngine, Kind, VLLMEngine
+from .errors import RouterError
+from .stream import DONE, StreamState
+from .table import Replica, RoutingTable, StreamHandle
+
+log = logging.getLogger(__name__)
+
+PATHS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+# ---------------------------------------------------------------------- transport protocol
+class UpstreamError(Exception):
+    """The upstream could not be reached or its connection broke."""
+
+
+class UpstreamResponse(Protocol):
+    status: int
+    content_type: str
+
+    async def read(self) -> bytes: ...
+
+    def chunks(self) -> AsyncIterator[bytes]: ...
+
+    def close(self) -> None: ...
+
+
+class Upstream(Protocol):
+    async def post(self, url: str, body: bytes) -> UpstreamResponse:
+        """Send a JSON POST; return once status and headers are in. Raise UpstreamError."""
+
+
+@dataclass
+class Unary:
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+
+
+@dataclass
+class Stream:
+    chunks: AsyncIterator[bytes]
+    status: int = 200
+    headers: dict = field(default_factory=lambda: {"Content-Type": "text/event-stream"})
+
+
+class Hooks:
+    """Metric callbacks; the default does nothing (the server plugs Prometheus in)."""
+
+    def request_done(self, worker: str, status: int) -> None: ...
+    def ttfb(self, seconds: float) -> None: ...
+    def in_flight(self, worker: str, delta: int) -> None: ...
+    def continued(self, outcome: str) -> None: ...
+    def retried(self) -> None: ...
+
+
+class _Moved(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------- the core
+class RouterCore:
+    def __init__(self, table: RoutingTable, upstream: Upstream, *,
+                 engine: ContinuationEngine | None = None, max_body_bytes: int = 4 << 20,
+                 retries: int = 2, max_continuations: int = 8, continuation: bool = True,
+                 hooks: Hooks | None = None) -> None:
+        self.table = table
+        self.upstream = upstream
+        self.engine = engine or VLLMEngine()
+        self.max_body_bytes = max_body_bytes
+        self.retries = retries
+        self.max_continuations = max_continuations
+        self.continuation = continuation
+        self.hooks = hooks or Hooks()
+
+    # ---- entry point -------------------------------------------------------------------
+    async def handle(self, kind: Kind, raw: bytes,
+                     headers: Mapping[str, str] | None = None) -> Unary | Stream:
+        t0 = time.perf_counter()
+        if len(raw) > self.max_body_bytes:
+            raise errors.body_too_large(self.max_body_bytes)
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise errors.bad_request(f"Malformed JSON body: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise errors.bad_request("The request body must be a JSON object.",
+                                     code="invalid_json")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise errors.bad_request("Missing required parameter: 'model'.",
+                                     code="missing_model", param="model")
+        if not self.table.has_model(model):
+            raise errors.model_not_found(model)
+        if kind == "chat" and not isinstance(body.get("messages"), list):
+            raise errors.bad_request("Missing required parameter: 'messages'.",
+                                     code="missing_required_parameter", param="messages")
+        if kind == "completions" and "prompt" not in body:
+            raise errors.bad_request("Missing required parameter: 'prompt'.",
+                                     code="missing_required_parameter", param="prompt")
+        key = self.affinity_key(body, headers) if self.table.policy.needs_key else None
+        if body.get("stream") is True:
+            return await self._stream(kind, raw, body, model, key, t0)
+        return await self._unary(kind, raw, model, key, t0)
+
+    @staticmethod
+    def affinity_key(body: dict, headers: Mapping[str, str] | None) -> str | None:
+        if headers:
+            for h in ("x-session-id", "X-Session-Id"):
+                if h in headers:
+                    return "s:" + headers[h]
+        if isinstance(body.get("user"), str):
+            return "u:" + body["user"]
+        p = body.get("prompt")
+        if p is None and isinstance(body.get("messages"), list):
+            p = json.dumps(body["messages"][:2], sort_keys=True)
+        if isinstance(p, list):
+            p = json.dumps(p[:64])
+        return "p:" + p[:256] if isinstance(p, str) and p else None
+
+    # ---- upstream I/O with abort hooks ---------------------------------------------------
+    async def _open(self, r: Replica, handle: StreamHandle, path: str,
+                    body: bytes) -> UpstreamResponse:
+        task = asyncio.ensure_future(self.upstream.post(r.endpoint + path, body))
+        handle.abort = task.cancel
+        try:
+            resp = await task
+        except asyncio.CancelledError:
+            if handle.moved and not _cancelling():
+                raise _Moved() from None
+            task.cancel()
+            raise
+        handle.abort = resp.close
+        if handle.moved:
+            resp.close()
+            raise _Moved()
+        return resp
+
+    # ---- non-streaming -------------------------------------------------------------------
+    async def _unary(self, kind: Kind, raw: bytes, model: str, key: str | None,
+                     t0: float) -> Unary:
+        path = PATHS[kind]
+        tried: list[str] = []
+        moves = 0
+        last: Exception | None = None
+        while len(tried) <= self.retries and moves <= self.max_continuations:
+            r = await self.table.acquire(model, key, exclude=tried)
+            handle = StreamHandle(r.worker_id)
+            self.table.register(r, handle)
+            self.hooks.in_flight(r.worker_id, 1)
+            try:
+                resp = await self._open(r, handle, path, raw)
+                rtask = asyncio.ensure_future(resp.read())
+                handle.abort = rtask.cancel
+                try:
+                    data = await rtask
+                except asyncio.CancelledError:
+                    resp.close()
+                    if handle.moved and not _cancelling():
+                        raise _Moved() from None
+                    raise
+                if handle.moved:
+                    raise _Moved()
+            except _Moved:
+                moves += 1  # the worker moved while we waited: ask again, at its new place
+                continue
+            except UpstreamError as e:
+                last = e
+                tried.append(r.worker_id)
+                self.hooks.retried()
+                continue
+            finally:
+                self.table.unregister(r, handle)
+                self.table.done(r)
+                self.hooks.in_flight(r.worker_id, -1)
+            self.hooks.ttfb(time.perf_counter() - t0)
+            self.hooks.request_done(r.worker_id, resp.status)
+            return Unary(resp.status, data, resp.content_type or "application/json")
+        raise errors.upstream_unavailable(f"No replica of `{model}` answered: {last}")
+
+    # ---- streaming -----------------------------------------------------------------------
+    async def _stream(self, kind: Kind, raw: bytes, body: dict, model: str, key: str | None,
+                      t0: float) -> Unary | Stream:
+        eng = self.engine
+        reason = eng.unsupported_reason(kind, body) if self.continuation else "disabled"
+        track = reason is None
+        strip = track and not eng.client_wants_token_ids(body)
+        send = eng.ask_for_token_ids(raw) if strip else raw
+        st = StreamState(eng, kind, body, track=track, strip=strip, unsupported=reason)
+        path = PATHS[kind]
+        tried: list[str] = []
+        last: Exception | None = None
+        while True:
+            if len(tried) > self.retries:
+                raise errors.upstream_unavailable(f"No replica of `{model}` answered: {last}")
+            r = await self.table.acquire(model, key, exclude=tried)
+            handle = StreamHandle(r.worker_id)
+            self.table.register(r, handle)
+            self.hooks.in_flight(r.worker_id, 1)
+            ok = False
+            try:
+                resp = await self._open(r, handle, path, send)
+                ok = True
+            except _Moved:
+                continue
+            except UpstreamError as e:
+                last = e
+                tried.append(r.worker_id)
+                self.hooks.retried()
+                continue
+            finally:
+                if not ok:
+                    self._leave(r, handle)
+            if resp.status != 200:
+                try:
+                    data = await resp.read()
+                except UpstreamError as e:
+                    data = errors.upstream_unavailable(str(e)).json_body()
+                finally:
+                    resp.close()
+                    self._leave(r, handle)
+                self.hooks.request_done(r.worker_id, resp.status)
+                return Unary(resp.status, data, resp.content_type or "application/json")
+            return Stream(self._pump(st, model, path, send, r, handle, resp, t0))
+
+    def _leave(self, r: Replica, handle: StreamHandle) -> None:
+        self.table.unregister(r, handle)
+        self.table.done(r)
+        self.hooks.in_flight(r.worker_id, -1)
+
+    async def _pump(self, st: StreamState, model: str, path: str, send: bytes, r: Replica,
+                    handle: StreamHandle, resp: UpstreamResponse, t0: float) -> AsyncIterator[bytes]:
+        first = True
+        status = 200
+        try:
+            while True:
+                try:
+                    async for data in resp.chunks():
+                        out = st.feed(data)
+                        if out:
+                            if first:
+                                self.hooks.ttfb(time.perf_counter() - t0)
+                                first = False
+                            yield out
+                        if st.done:
+                            break
+                except UpstreamError:
+                    pass
+                except asyncio.CancelledError:
+                    if not (handle.moved and not _cancelling()):
+                        raise
+                resp.close()
+                if st.done:
+                    return
+                if st.cut:  # pragma: no cover - cut sets done
+                    return
+                if st.finished:
+                    yield st.tail_after_finish()
+                    return
+                # ---- the upstream broke (worker moved or died) before the end --------
+                if not st.sent_any:
+                    outcome = "retry"
+                elif not st.track:
+                    self.hooks.continued("impossible")
+                    status = 599
+                    yield errors.continuation_failed(
+                        f"The upstream stream broke and cannot be continued "
+                        f"({st.unsupported}).").sse_event()
+                    return
+                elif st.legs >= self.max_continuations:
+                    self.hooks.continued("too_many")
+                    status = 599
+                    yield errors.continuation_failed("Too many continuations.").sse_event()
+                    return
+                else:
+                    outcome = "continued"
+                r, handle, resp = await self._reopen(st, model, path, send, r, handle, outcome)
+                if outcome == "continued":
+                    self.hooks.continued("ok")
+        except RouterError as e:
+            status = e.status
+            if not st.sent_any:
+                raise
+            yield e.sse_event()
+        finally:
+            resp.close()
+            self._leave(r, handle)
+            self.hooks.request_done(r.worker_id, status)
+
+    async def _reopen(self, st: StreamState, model: str, path: str, send: bytes, r: Replica,
+                      handle: StreamHandle, outcome: str):
+        """Leave the broken replica, find where to go on, open the continuation there."""
+        moved = handle.moved
+        self._leave(r, handle)
+        prev = r
+        attempts = 0
+        last: Exception | None = None
+        while attempts <= self.retries:
+            attempts += 1
+            if moved and prev.worker_id in _ids(self.table.replicas(model)):
+                r = await self.table.wait_for(prev)  # same worker, at its new endpoint
+            elif prev.worker_id in _ids(self.table.replicas(model)) and \
+                    prev.state.value == "held":
+                r = await self.table.wait_for(prev)  # died while held: wait for its switch
+            else:
+                r = await self.table.acquire(model, None, exclude=[prev.worker_id])
+            handle = StreamHandle(r.worker_id)
+            self.table.register(r, handle)
+            self.hooks.in_flight(r.worker_id, 1)
+            try:
+                if outcome == "retry":
+                    p, body = path, send
+                else:
+                    p, req = await self._continuation_request(st, r, model)
+                    body = json.dumps(req).encode()
+                resp = await self._open(r, handle, p, body)
+            except _Moved:
+                self._leave(r, handle)
+                prev, moved = r, True
+                attempts -= 1
+                continue
+            except UpstreamError as e:
+                self._leave(r, handle)
+                last = e
+                prev, moved = r, False
+                self.hooks.retried()
+                continue
+            except BaseException:
+                self._leave(r, handle)
+                raise
+            if resp.status != 200:
+                try:
+                    detail = (await resp.read())[:500].decode(errors="replace")
+                except UpstreamError:
+                    detail = ""
+                resp.close()
+                # keep r/handle registered: _pump's finally leaves them
+                return_err = errors.continuation_failed(
+                    f"Continuation request refused by {r.worker_id}: {resp.status} {detail}")
+                self._leave(r, handle)
+                raise return_err
+            if outcome != "retry":
+                st.begin_continuation(getattr(st, "_withheld", ""))
+            return r, handle, resp
+        raise errors.continuation_failed(f"No replica of `{model}` could continue the stream: "
+                                         f"{last}")
+
+    async def _continuation_request(self, st: StreamState, r: Replica, model: str):
+        prompt = st.prompt_ids
+        if prompt is None:
+            raise errors.continuation_failed("The stream broke before the engine reported the "
+                                             "prompt's token ids.")
+        sent = st.sent_ids
+        st._withheld = ""
+        if st.stops and st.legs == 0:
+            st._withheld = await self._withheld_text(st, r, model, sent)
+        return self.engine.continuation_request(st.kind, st.body, prompt, sent)
+
+    async def _withheld_text(self, st: StreamState, r: Replica, model: str,
+                             sent: list[int]) -> str:
+        """Text of sent tokens that the engine held back (it buffers text that might start a
+        stop string); asked from the new replica's detokenizer."""
+        req = self.engine.detokenize_request(model, sent)
+        if req is None or not sent:
+            return ""
+        try:
+            resp = await self.upstream.post(r.endpoint + req[0], json.dumps(req[1]).encode())
+            try:
+                full = self.engine.parse_detokenize(json.loads(await resp.read()))
+            finally:
+                resp.close()
+        except Exception as e:  # pragma: no cover - best effort
+            log.warning("detokenize failed on %s: %s", r.worker_id, e)
+            return ""
+        sent_text = "".join(st.sent_text)
+        return full[len(sent_text):] if full.startswith(sent_text) else ""
+
+    def models_body(self) -> bytes:
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "relocator",
+                 "root": m, "parent": None} for m in self.table.models()]
+        return json.dumps({"object": "list", "data": data}).encode()
+
+
+def _ids(reps: list[Replica]) -> set[str]:
+    return {x.worker_id for x in reps}
+
+
+def _cancelling() -> int:
+    t = asyncio.current_task()
+    return t.cancelling() if t is not None else 0
+
+
+__all__ = ["RouterCore", "Upstream", "UpstreamResponse", "UpstreamError", "Unary", "Stream",
+           "Hooks", "DONE"]

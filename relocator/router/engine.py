@@ -1,0 +1,212 @@
+"""What the router needs from an inference engine to continue a stream elsewhere.
+
+A continuation needs three things the OpenAI API does not give: the prompt's token ids, the
+ids of the output tokens already sent, and a way to generate from a prompt given as ids.
+`ContinuationEngine` is that small surface; `VLLMEngine` implements it for vLLM >= 0.10.2
+(`return_token_ids`), and an SGLang adapter can implement it later (SGLang returns
+`output_ids` / `input_ids` with `return_token_ids`-like options on its native API).
+
+Hot-path methods (`ask_for_token_ids`, `scan`, `strip`) work on raw bytes with one regex so
+that normal streaming stays cheap; everything else runs only when a stream is continued."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Kind = Literal["completions", "chat"]
+
+#: request fields copied from a chat request into the completions-style continuation
+_CHAT_SAMPLING_KEYS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
+    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+    "logit_bias", "bad_words", "allowed_token_ids", "stream_options", "user", "priority",
+    "min_tokens", "truncate_prompt_tokens", "length_penalty",
+)
+
+
+@dataclass
+class Delta:
+    """One chunk of a continuation, engine-neutral."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    logprobs: Any = None
+    usage: dict | None = None
+    usage_only: bool = False
+    error: dict | None = None
+
+
+class ContinuationEngine:
+    """Interface. Subclass per engine; register in `ENGINES`."""
+
+    name = "base"
+
+    def unsupported_reason(self, kind: Kind, body: dict) -> str | None:
+        """Why a stream of this request could not be continued (None: it can)."""
+        return "engine does not support continuation"
+
+    def client_wants_token_ids(self, body: dict) -> bool:
+        return False
+
+    def ask_for_token_ids(self, raw: bytes) -> bytes:
+        """The raw request body changed so that the stream carries token ids."""
+        raise NotImplementedError
+
+    def scan(self, events: bytes) -> tuple[bytes | None, list[bytes]]:
+        """(prompt ids, [output id segments]) found in complete SSE events, unparsed."""
+        raise NotImplementedError
+
+    def strip(self, events: bytes) -> bytes:
+        """The events as the client would have got them without asking for token ids."""
+        raise NotImplementedError
+
+    def continuation_request(self, kind: Kind, body: dict, prompt_ids: list[int],
+                             sent_ids: list[int]) -> tuple[str, dict]:
+        """(path, JSON body) of a streaming request that generates what follows `sent_ids`."""
+        raise NotImplementedError
+
+    def parse_chunk(self, obj: dict) -> Delta:
+        """One event of the continuation stream."""
+        raise NotImplementedError
+
+    def detokenize_request(self, model: str, ids: list[int]) -> tuple[str, dict] | None:
+        """(path, body) asking the engine for the text of `ids`, or None if unsupported."""
+        return None
+
+    def parse_detokenize(self, obj: dict) -> str:
+        raise NotImplementedError
+
+
+def parse_ids(segments: list[bytes]) -> list[int]:
+    out: list[int] = []
+    for seg in segments:
+        if seg:
+            out.extend(int(x) for x in seg.split(b","))
+    return out
+
+
+class VLLMEngine(ContinuationEngine):
+    """vLLM's OpenAI server. `"return_token_ids": true` makes every stream chunk carry
+    `token_ids` (delta) and the first one `prompt_token_ids` (inside the choice for
+    completions, at the top level for chat); without it vLLM still emits both keys as
+    `null`, so replacing the arrays by `null` gives exactly the bytes a client would have
+    got directly."""
+
+    name = "vllm"
+    _IDS = re.compile(rb'"(prompt_token_ids|token_ids)":\[([0-9,\s]*)\]')
+    _EMPTY_CHAT_DELTA = re.compile(
+        rb'data: \{[^\n]*"delta":\{\},"logprobs":null,"finish_reason":null,'
+        rb'"token_ids":null\}\][^\n]*\}\n\n')
+
+    def unsupported_reason(self, kind: Kind, body: dict) -> str | None:
+        if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1:
+            return "n > 1 / best_of > 1"
+        if body.get("use_beam_search"):
+            return "beam search"
+        if kind == "completions":
+            p = body.get("prompt")
+            if isinstance(p, list) and p and not isinstance(p[0], int):
+                return "several prompts in one request"
+            if body.get("suffix"):
+                return "suffix"
+        else:
+            for k in ("tools", "response_format", "structured_outputs", "guided_json",
+                      "guided_regex", "guided_choice", "guided_grammar"):
+                if body.get(k):
+                    return f"chat with {k}"
+            if body.get("logprobs") or body.get("top_logprobs"):
+                return "chat with logprobs"
+            if body.get("echo"):
+                return "chat with echo"
+        for k in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                  "guided_grammar", "response_format"):
+            if body.get(k):
+                return f"structured output ({k})"
+        return None
+
+    def client_wants_token_ids(self, body: dict) -> bool:
+        return body.get("return_token_ids") is True
+
+    def ask_for_token_ids(self, raw: bytes) -> bytes:
+        end = raw.rstrip().rfind(b"}")
+        return raw[:end] + b',"return_token_ids":true}'
+
+    def scan(self, events: bytes) -> tuple[bytes | None, list[bytes]]:
+        prompt = None
+        out: list[bytes] = []
+        for m in self._IDS.finditer(events):
+            if m.group(1) == b"token_ids":
+                out.append(m.group(2))
+            else:
+                prompt = m.group(2)
+        return prompt, out
+
+    def strip(self, events: bytes) -> bytes:
+        s = self._IDS.sub(rb'"\1":null', events)
+        if b'"delta":{},' in s:
+            # chunks vLLM sends only because token ids were asked for (withheld text)
+            s = self._EMPTY_CHAT_DELTA.sub(b"", s)
+        return s
+
+    def continuation_request(self, kind: Kind, body: dict, prompt_ids: list[int],
+                             sent_ids: list[int]) -> tuple[str, dict]:
+        if kind == "completions":
+            req = dict(body)
+            for k in ("echo", "prompt_logprobs", "suffix"):
+                req.pop(k, None)
+        else:
+            req = {"model": body["model"]}
+            for k in _CHAT_SAMPLING_KEYS:
+                if k in body:
+                    req[k] = body[k]
+            mt = body.get("max_completion_tokens", body.get("max_tokens"))
+            if mt is not None:
+                req["max_tokens"] = mt
+        req["prompt"] = list(prompt_ids) + list(sent_ids)
+        req["stream"] = True
+        req["return_token_ids"] = True
+        n = len(sent_ids)
+        if req.get("max_tokens") is not None:
+            req["max_tokens"] = max(1, int(req["max_tokens"]) - n)
+        if req.get("min_tokens"):
+            req["min_tokens"] = max(0, int(req["min_tokens"]) - n)
+        return "/v1/completions", req
+
+    def parse_chunk(self, obj: dict) -> Delta:
+        if "error" in obj and "choices" not in obj:
+            return Delta(error=obj)
+        choices = obj.get("choices") or []
+        usage = obj.get("usage")
+        if not choices:
+            return Delta(usage=usage, usage_only=True)
+        c = choices[0]
+        return Delta(text=c.get("text") or "", token_ids=list(c.get("token_ids") or ()),
+                     finish_reason=c.get("finish_reason"), stop_reason=c.get("stop_reason"),
+                     logprobs=c.get("logprobs"), usage=usage)
+
+    def detokenize_request(self, model: str, ids: list[int]) -> tuple[str, dict] | None:
+        return "/detokenize", {"model": model, "tokens": list(ids)}
+
+    def parse_detokenize(self, obj: dict) -> str:
+        return obj["prompt"]
+
+
+ENGINES: dict[str, type[ContinuationEngine]] = {"vllm": VLLMEngine, "none": ContinuationEngine}
+
+
+def make_engine(name: str) -> ContinuationEngine:
+    try:
+        return ENGINES[name]()
+    except KeyError:
+        raise ValueError(f"unknown engine {name!r}; known: {sorted(ENGINES)}") from None
+
+
+def dumps(obj: Any) -> bytes:
+    """JSON the way vLLM (pydantic) writes it: compact, UTF-8."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()

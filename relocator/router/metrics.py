@@ -1,0 +1,51 @@
+"""Prometheus metrics (`relocator_router_*`), one registry per router instance."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .core import Hooks
+
+
+class PromHooks(Hooks):
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("relocator_router_requests", "Requests by backend and status",
+                                ["backend", "status"], registry=r)
+        self.inflight = Gauge("relocator_router_in_flight", "Requests in flight by backend",
+                              ["backend"], registry=r)
+        self.ttfb_h = Histogram("relocator_router_ttfb_seconds",
+                                "Time to first byte sent to the client",
+                                buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5,
+                                         1, 2.5, 5, 10, 30), registry=r)
+        self.held = Gauge("relocator_router_held_requests",
+                          "Requests waiting for a held worker", registry=r)
+        self.cont = Counter("relocator_router_continued_streams",
+                            "Streams continued after a break, by outcome", ["outcome"],
+                            registry=r)
+        self.retries = Counter("relocator_router_retries",
+                               "Upstream attempts retried before the first byte", registry=r)
+        self.errors = Counter("relocator_router_errors", "Requests refused by the router",
+                              ["code"], registry=r)
+
+    def request_done(self, worker: str, status: int) -> None:
+        self.requests.labels(worker, str(status)).inc()
+
+    def ttfb(self, seconds: float) -> None:
+        self.ttfb_h.observe(seconds)
+
+    def in_flight(self, worker: str, delta: int) -> None:
+        self.inflight.labels(worker).inc(delta)
+
+    def continued(self, outcome: str) -> None:
+        self.cont.labels(outcome).inc()
+
+    def retried(self) -> None:
+        self.retries.inc()
+
+    def held_changed(self, n: int) -> None:
+        self.held.set(n)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,317 @@
+"""The aiohttp front end: OpenAI API on one listener, the control API on another.
+
+One pooled `aiohttp.ClientSession` carries every upstream request. Streams are written as the
+core yields them; a client that goes away cancels the handler (handler_cancellation), which
+closes the generator and with it the upstream request."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from typing import Any, AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from . import errors
+from .config import RouterSettings
+from .core import RouterCore, Stream, Unary, UpstreamError
+from .engine import make_engine
+from .errors import RouterError
+from .metrics import PromHooks
+from .policies import make_policy
+from .table import RoutingTable
+
+log = logging.getLogger(__name__)
+SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+
+
+# ---------------------------------------------------------------------- upstream adapter
+class _Resp:
+    __slots__ = ("_r", "status", "content_type")
+
+    def __init__(self, r: aiohttp.ClientResponse) -> None:
+        self._r = r
+        self.status = r.status
+        self.content_type = r.headers.get("Content-Type", "application/json")
+
+    async def read(self) -> bytes:
+        try:
+            return await self._r.read()
+        except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as e:
+            raise UpstreamError(f"{type(e).__name__}: {e}") from None
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        content = self._r.content
+        try:
+            while True:
+                data = await content.readany()
+                if not data:
+                    return
+                yield data
+        except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as e:
+            raise UpstreamError(f"{type(e).__name__}: {e}") from None
+
+    def close(self) -> None:
+        r = self._r
+        r.close()
+        # wake a reader parked on a frozen connection (close() alone may not)
+        exc = aiohttp.ClientConnectionError("upstream aborted by router")
+        try:
+            r.content.set_exception(exc)
+        except Exception:  # pragma: no cover
+            pass
+
+
+class AiohttpUpstream:
+    def __init__(self, connect_timeout_s: float = 5.0, pool_limit: int = 0) -> None:
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=pool_limit, limit_per_host=0,
+                                           enable_cleanup_closed=False),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s),
+            auto_decompress=False, skip_auto_headers=("User-Agent",))
+        self._hdrs = {"Content-Type": "application/json"}
+
+    async def post(self, url: str, body: bytes) -> _Resp:
+        try:
+            r = await self.session.post(url, data=body, headers=self._hdrs)
+        except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError, OSError) as e:
+            raise UpstreamError(f"{type(e).__name__}: {e}") from None
+        return _Resp(r)
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+# ---------------------------------------------------------------------- helpers
+def _err(e: RouterError) -> web.Response:
+    return web.Response(status=e.status, body=e.json_body(), content_type="application/json")
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except RouterError as e:
+        return _err(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status, "http_error")
+        return _err(RouterError(e.status, e.reason or "error", code=code))
+
+
+class RouterServer:
+    def __init__(self, settings: RouterSettings | None = None) -> None:
+        self.settings = s = settings or RouterSettings()
+        self.table = RoutingTable(make_policy(s.policy, **s.policy_args),
+                                  hold_queue_max=s.hold_queue_max,
+                                  hold_timeout_s=s.hold_timeout_s,
+                                  prefer_sibling_when_held=s.prefer_sibling_when_held)
+        for i, b in enumerate(s.backends):
+            self.table.add(b.worker_id or f"{b.model}-{i}", b.model, b.url)
+        self.hooks = PromHooks()
+        self.table.on_held_change = self.hooks.held_changed
+        self.upstream: AiohttpUpstream | None = None
+        self.core: RouterCore | None = None
+        self._runners: list[web.AppRunner] = []
+        self.port = s.port
+        self.control_port = s.control_port
+
+    # ---- lifecycle -------------------------------------------------------------------
+    async def start(self) -> "RouterServer":
+        s = self.settings
+        self.upstream = AiohttpUpstream(s.connect_timeout_s, s.pool_limit)
+        self.core = RouterCore(self.table, self.upstream, engine=make_engine(s.engine),
+                               max_body_bytes=s.max_body_bytes, retries=s.retries,
+                               max_continuations=s.max_continuations,
+                               continuation=s.continuation, hooks=self.hooks)
+        api = web.Application(middlewares=[_openai_errors], client_max_size=s.max_body_bytes + 1)
+        api.router.add_post("/v1/completions", self._completions)
+        api.router.add_post("/v1/chat/completions", self._chat)
+        api.router.add_get("/v1/models", self._models)
+        api.router.add_get("/health", self._health)
+        api.router.add_get("/metrics", self._metrics)
+        self.port = await self._serve(api, s.host, s.port)
+        ctl = web.Application(middlewares=[_openai_errors, self._auth], client_max_size=1 << 20)
+        ctl.router.add_get("/control/replicas", self._c_list)
+        ctl.router.add_post("/control/replicas", self._c_add)
+        ctl.router.add_delete("/control/replicas/{worker}", self._c_remove)
+        ctl.router.add_post("/control/workers/{worker}/hold", self._c_hold)
+        ctl.router.add_post("/control/workers/{worker}/switch", self._c_switch)
+        ctl.router.add_post("/control/workers/{worker}/release", self._c_release)
+        host = s.control_host if s.control_token else "127.0.0.1"
+        self.control_port = await self._serve(ctl, host, s.control_port)
+        return self
+
+    async def _serve(self, app: web.Application, host: str, port: int) -> int:
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
+        await site.start()
+        self._runners.append(runner)
+        return runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        for r in self._runners:
+            await r.cleanup()
+        self._runners.clear()
+        if self.upstream is not None:
+            await self.upstream.close()
+
+    async def __aenter__(self) -> "RouterServer":
+        return await self.start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.stop()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def control_url(self) -> str:
+        return f"http://127.0.0.1:{self.control_port}"
+
+    # ---- OpenAI API ------------------------------------------------------------------
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.settings.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise errors.body_too_large(limit)
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise errors.body_too_large(limit) from None
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._proxy(request, "completions")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._proxy(request, "chat")
+
+    async def _proxy(self, request: web.Request, kind: str) -> web.StreamResponse:
+        raw = await self._read_body(request)
+        assert self.core is not None
+        try:
+            res = await self.core.handle(kind, raw, request.headers)  # type: ignore[arg-type]
+        except RouterError as e:
+            self.hooks.errors.labels(e.code or str(e.status)).inc()
+            return _err(e)
+        if isinstance(res, Unary):
+            return web.Response(status=res.status, body=res.body,
+                                headers={"Content-Type": res.content_type})
+        return await self._write_stream(request, res)
+
+    async def _write_stream(self, request: web.Request, res: Stream) -> web.StreamResponse:
+        gen = res.chunks
+        resp: web.StreamResponse | None = None
+        try:
+            async for chunk in gen:
+                if resp is None:
+                    resp = web.StreamResponse(status=res.status, headers=SSE_HEADERS)
+                    await resp.prepare(request)
+                await resp.write(chunk)
+        except RouterError as e:  # raised before the first byte
+            if resp is None:
+                self.hooks.errors.labels(e.code or str(e.status)).inc()
+                return _err(e)
+            raise
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            pass  # client went away; finally closes the upstream
+        finally:
+            await gen.aclose()  # type: ignore[attr-defined]
+        if resp is None:
+            resp = web.StreamResponse(status=res.status, headers=SSE_HEADERS)
+            await resp.prepare(request)
+        try:
+            await resp.write_eof()
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            pass
+        return resp
+
+    async def _models(self, request: web.Request) -> web.Response:
+        assert self.core is not None
+        return web.Response(body=self.core.models_body(), content_type="application/json")
+
+    async def _health(self, request: web.Request) -> web.Response:
+        reps = self.table.replicas()
+        return web.json_response({"status": "ok", "replicas": len(reps),
+                                  "held": sum(r.state.value == "held" for r in reps)})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.hooks.render(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    # ---- control API -----------------------------------------------------------------
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        token = self.settings.control_token
+        if token:
+            got = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+                raise errors.unauthorized()
+        return await handler(request)
+
+    async def _json(self, request: web.Request) -> dict:
+        try:
+            body = await request.json() if request.can_read_body else {}
+        except ValueError as e:
+            raise errors.bad_request(f"Malformed JSON body: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise errors.bad_request("The request body must be a JSON object.", code="invalid_json")
+        return body
+
+    def _worker(self, request: web.Request):
+        w = request.match_info["worker"]
+        try:
+            self.table.get(w)
+        except KeyError:
+            raise RouterError(404, f"Unknown worker `{w}`.", code="worker_not_found",
+                              param="worker") from None
+        return w
+
+    async def _c_list(self, request: web.Request) -> web.Response:
+        return web.json_response(self.table.snapshot())
+
+    async def _c_add(self, request: web.Request) -> web.Response:
+        b = await self._json(request)
+        for k in ("worker_id", "model", "url"):
+            if not isinstance(b.get(k), str) or not b[k]:
+                raise errors.bad_request(f"Missing required parameter: '{k}'.",
+                                         code="missing_required_parameter", param=k)
+        if not b["url"].startswith(("http://", "https://")):
+            raise errors.bad_request("url must start with http:// or https://", param="url")
+        try:
+            r = self.table.add(b["worker_id"], b["model"], b["url"])
+        except ValueError as e:
+            raise RouterError(409, str(e), code="conflict") from None
+        return web.json_response(r.info())
+
+    async def _c_remove(self, request: web.Request) -> web.Response:
+        return web.json_response(self.table.remove(self._worker(request)).info())
+
+    async def _c_hold(self, request: web.Request) -> web.Response:
+        return web.json_response(self.table.hold(self._worker(request)))
+
+    async def _c_switch(self, request: web.Request) -> web.Response:
+        w = self._worker(request)
+        b = await self._json(request)
+        ep = b.get("endpoint")
+        if not isinstance(ep, str) or not ep.startswith(("http://", "https://")):
+            raise errors.bad_request("Missing or invalid 'endpoint' (http[s]://host:port).",
+                                     param="endpoint")
+        return web.json_response(self.table.switch(w, ep, release=bool(b.get("release", True))))
+
+    async def _c_release(self, request: web.Request) -> web.Response:
+        return web.json_response(self.table.release(self._worker(request)))
+
+
+async def serve_forever(settings: RouterSettings) -> None:
+    srv = await RouterServer(settings).start()
+    log.info("router on :%d, control on :%d", srv.port, srv.control_port)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await srv.stop()

@@ -1,0 +1,245 @@
+"""The routing table: model -> replicas (worker id -> endpoint, state), and the hold /
+switch / release protocol. Pure asyncio; no transport."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from . import errors
+from .policies import Policy, make_policy
+
+
+class ReplicaState(str, enum.Enum):
+    ACTIVE = "active"
+    HELD = "held"
+
+
+@dataclass(eq=False)
+class StreamHandle:
+    """One in-flight upstream request, registered so that a switch can cut it over.
+
+    `abort` is set by the transport to a callable that drops the upstream connection; a switch
+    sets `moved` and calls it. The request's own loop notices the break and continues."""
+
+    worker_id: str
+    abort: Callable[[], None] | None = None
+    moved: bool = False
+
+    def cut(self) -> None:
+        self.moved = True
+        if self.abort is not None:
+            try:
+                self.abort()
+            except Exception:  # pragma: no cover - transport specific
+                pass
+
+
+@dataclass(eq=False)
+class Replica:
+    worker_id: str
+    model: str
+    endpoint: str
+    state: ReplicaState = ReplicaState.ACTIVE
+    in_flight: int = 0
+    generation: int = 0  # bumped on every switch
+    waiters: collections.deque = field(default_factory=collections.deque)
+    streams: set = field(default_factory=set)
+    held_since: float | None = None
+
+    def info(self) -> dict:
+        return {"worker_id": self.worker_id, "model": self.model, "endpoint": self.endpoint,
+                "state": self.state.value, "in_flight": self.in_flight,
+                "held_requests": len(self.waiters), "generation": self.generation}
+
+
+class RoutingTable:
+    """Replicas by model, a policy, and the hold queues.
+
+    hold(w): new requests that would go to w (no active sibling) wait, FIFO, bounded, with a
+    timeout; switch(w, endpoint): w now lives at endpoint, every stream in flight on w is cut
+    (its owner continues it on the new endpoint), the queue is released in arrival order;
+    release(w): un-hold without moving (the rollback path)."""
+
+    def __init__(self, policy: Policy | str = "least_in_flight", *, hold_queue_max: int = 1024,
+                 hold_timeout_s: float = 60.0, prefer_sibling_when_held: bool = True) -> None:
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.hold_queue_max = hold_queue_max
+        self.hold_timeout_s = hold_timeout_s
+        self.prefer_sibling_when_held = prefer_sibling_when_held
+        self._replicas: dict[str, Replica] = {}
+        self._by_model: dict[str, list[Replica]] = {}
+        self.on_held_change: Callable[[int], None] | None = None
+        self.dispatch_log: collections.deque = collections.deque(maxlen=256)
+
+    # ---- inventory -------------------------------------------------------------------
+    def add(self, worker_id: str, model: str, endpoint: str) -> Replica:
+        endpoint = endpoint.rstrip("/")
+        old = self._replicas.get(worker_id)
+        if old is not None:
+            if old.model != model:
+                raise ValueError(f"worker {worker_id} already serves {old.model!r}")
+            old.endpoint = endpoint
+            return old
+        r = Replica(worker_id, model, endpoint)
+        self._replicas[worker_id] = r
+        self._by_model.setdefault(model, []).append(r)
+        return r
+
+    def remove(self, worker_id: str) -> Replica:
+        r = self.get(worker_id)
+        del self._replicas[worker_id]
+        lst = self._by_model[r.model]
+        lst.remove(r)
+        if not lst:
+            del self._by_model[r.model]
+        while r.waiters:
+            fut = r.waiters.popleft()
+            if not fut.done():
+                fut.set_exception(errors.no_replica(r.model))
+        self._held_changed()
+        for s in list(r.streams):
+            s.cut()
+        return r
+
+    def get(self, worker_id: str) -> Replica:
+        try:
+            return self._replicas[worker_id]
+        except KeyError:
+            raise KeyError(f"unknown worker {worker_id!r}") from None
+
+    def models(self) -> list[str]:
+        return sorted(self._by_model)
+
+    def replicas(self, model: str | None = None) -> list[Replica]:
+        if model is None:
+            return list(self._replicas.values())
+        return list(self._by_model.get(model, ()))
+
+    def has_model(self, model: str) -> bool:
+        return model in self._by_model
+
+    def held_requests(self) -> int:
+        return sum(len(r.waiters) for r in self._replicas.values())
+
+    # ---- selection -------------------------------------------------------------------
+    async def acquire(self, model: str, key: str | None = None,
+                      exclude: Iterable[str] = ()) -> Replica:
+        """Pick a replica for one request and count it in flight. Waits (bounded) when the
+        only candidates are held. Raises RouterError 404/503."""
+        reps = self._by_model.get(model)
+        if not reps:
+            raise errors.model_not_found(model)
+        if exclude:
+            ex = set(exclude)
+            cands = [r for r in reps if r.worker_id not in ex] or list(reps)
+        else:
+            cands = reps
+        active = [r for r in cands if r.state is ReplicaState.ACTIVE]
+        if active and (self.prefer_sibling_when_held or len(active) == len(cands)):
+            r = self.policy.choose(active, key) if len(active) > 1 else active[0]
+            r.in_flight += 1
+            return r
+        held = [r for r in cands if r.state is ReplicaState.HELD]
+        if not held:  # pragma: no cover - cands are active or held
+            raise errors.no_replica(model)
+        target = held[0] if len(held) == 1 else min(held, key=lambda x: len(x.waiters))
+        return await self.wait_for(target)
+
+    async def wait_for(self, r: Replica) -> Replica:
+        """Wait until held replica `r` is switched or released, FIFO; count it in flight."""
+        if r.state is ReplicaState.ACTIVE:
+            r.in_flight += 1
+            return r
+        if len(r.waiters) >= self.hold_queue_max:
+            raise errors.hold_queue_full(r.worker_id)
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        r.waiters.append(fut)
+        self._held_changed()
+        ok = False
+        try:
+            got: Replica = await asyncio.wait_for(asyncio.shield(fut), self.hold_timeout_s)
+            ok = True
+            return got  # in_flight was counted by _release for this waiter
+        except asyncio.TimeoutError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                ok = True  # released at the very instant the timeout fired
+                return fut.result()
+            raise errors.hold_timeout(r.worker_id, self.hold_timeout_s) from None
+        finally:
+            if not ok:
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    fut.result().in_flight -= 1  # released, but our caller went away
+                elif not fut.done():
+                    fut.cancel()
+            try:
+                r.waiters.remove(fut)
+            except ValueError:
+                pass
+            self._held_changed()
+
+    def done(self, r: Replica) -> None:
+        r.in_flight -= 1
+
+    # ---- streams ---------------------------------------------------------------------
+    def register(self, r: Replica, handle: StreamHandle) -> None:
+        r.streams.add(handle)
+
+    def unregister(self, r: Replica, handle: StreamHandle) -> None:
+        r.streams.discard(handle)
+
+    # ---- relocation protocol ---------------------------------------------------------
+    def hold(self, worker_id: str) -> dict:
+        r = self.get(worker_id)
+        if r.state is not ReplicaState.HELD:
+            r.state = ReplicaState.HELD
+            r.held_since = time.monotonic()
+        return r.info()
+
+    def switch(self, worker_id: str, endpoint: str, *, release: bool = True) -> dict:
+        r = self.get(worker_id)
+        old = r.endpoint
+        r.endpoint = endpoint.rstrip("/")
+        r.generation += 1
+        moved = 0
+        for s in list(r.streams):
+            moved += 1
+            s.cut()
+        info = r.info()
+        info["moved_streams"] = moved
+        info["previous_endpoint"] = old
+        if release:
+            info["released"] = self._release(r)
+        return info
+
+    def release(self, worker_id: str) -> dict:
+        r = self.get(worker_id)
+        n = self._release(r)
+        info = r.info()
+        info["released"] = n
+        return info
+
+    def _release(self, r: Replica) -> int:
+        r.state = ReplicaState.ACTIVE
+        r.held_since = None
+        n = 0
+        while r.waiters:  # arrival order: futures resolve (and their tasks wake) FIFO
+            fut = r.waiters.popleft()
+            if not fut.done():
+                r.in_flight += 1
+                fut.set_result(r)
+                n += 1
+        self._held_changed()
+        return n
+
+    def _held_changed(self) -> None:
+        if self.on_held_change is not None:
+            self.on_held_change(self.held_requests())
+
+    def snapshot(self) -> dict:
+        return {"policy": self.policy.name,
+                "models": {m: [r.info() for r in reps] for m, reps in self._by_model.items()}}
