@@ -1,0 +1,233 @@
+"""The router in front of real vLLM CPU workers (tiny random-weight Llama, greedy)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from relocator.router.client import RouterControl
+from relocator.router.config import BackendConfig, RouterSettings
+from relocator.router.server import RouterServer
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session")]
+
+N = 400
+
+
+async def _router(*workers):
+    s = RouterSettings(port=0, control_port=0, hold_timeout_s=30,
+                       backends=[BackendConfig(model=w.model, url=w.base_url, worker_id=f"w{i}")
+                                 for i, w in enumerate(workers)])
+    return await RouterServer(s).start()
+
+
+async def _read_sse(resp, on_event=None):
+    chunks, buf = [], b""
+    async for data in resp.content.iter_any():
+        buf += data
+        while b"\n\n" in buf:
+            ev, buf = buf.split(b"\n\n", 1)
+            payload = ev[6:]
+            if payload == b"[DONE]":
+                chunks.append("[DONE]")
+                continue
+            chunks.append(json.loads(payload))
+            if on_event:
+                await on_event(chunks[-1])
+    return chunks
+
+
+def _ids(chunks):
+    return [t for c in chunks if isinstance(c, dict) and c.get("choices")
+            for t in (c["choices"][0].get("token_ids") or [])]
+
+
+def _text(chunks, chat):
+    out = ""
+    for c in chunks:
+        if isinstance(c, dict) and c.get("choices"):
+            ch = c["choices"][0]
+            out += (ch["delta"].get("content") or "") if chat else ch["text"]
+    return out
+
+
+def _body(model, chat, **kw):
+    b = {"model": model, "max_tokens": N, "temperature": 0, "ignore_eos": True, "stream": True,
+         "stream_options": {"include_usage": True}}
+    b.update({"messages": [{"role": "user", "content": "the quick brown fox"}]} if chat else
+             {"prompt": "the quick brown fox jumps over"})
+    b.update(kw)
+    return b
+
+
+async def test_openai_client_through_router(vllm_server):
+    import openai
+
+    srv = await _router(vllm_server)
+    try:
+        direct = openai.AsyncOpenAI(base_url=vllm_server.base_url + "/v1", api_key="x")
+        via = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x")
+        m = vllm_server.model
+        kw = dict(model=m, prompt="hello there", max_tokens=12, temperature=0)
+        a = await direct.completions.create(**kw)
+        b = await via.completions.create(**kw)
+        assert a.choices[0].text == b.choices[0].text
+        msgs = [{"role": "user", "content": "hi"}]
+        a = await direct.chat.completions.create(model=m, messages=msgs, max_tokens=12,
+                                                 temperature=0)
+        b = await via.chat.completions.create(model=m, messages=msgs, max_tokens=12,
+                                              temperature=0)
+        assert a.choices[0].message.content == b.choices[0].message.content
+        for chat in (False, True):
+            if chat:
+                st = await via.chat.completions.create(model=m, messages=msgs, max_tokens=12,
+                                                       temperature=0, stream=True,
+                                                       stream_options={"include_usage": True})
+                parts = [c async for c in st]
+                text = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+                assert text == a.choices[0].message.content
+            else:
+                st = await via.completions.create(**kw, stream=True,
+                                                  stream_options={"include_usage": True})
+                parts = [c async for c in st]
+                assert parts[-1].usage.completion_tokens == 12
+        models = await via.models.list()
+        assert [x.id for x in models.data] == [m]
+        with pytest.raises(openai.NotFoundError):
+            await via.completions.create(model="nope", prompt="x", max_tokens=2)
+        with pytest.raises(openai.BadRequestError):  # vLLM's own 400 passes through
+            await via.completions.create(model=m, prompt="x", max_tokens=-1)
+        await direct.close()
+        await via.close()
+    finally:
+        await srv.stop()
+
+
+async def test_stream_bytes_same_as_direct(vllm_server):
+    srv = await _router(vllm_server)
+    try:
+        async with aiohttp.ClientSession() as s:
+            body = _body(vllm_server.model, chat=False, max_tokens=10, return_token_ids=False)
+            async with s.post(vllm_server.base_url + "/v1/completions", json=body) as r:
+                direct = await _read_sse(r)
+            async with s.post(srv.url + "/v1/completions", json=body) as r:
+                via = await _read_sse(r)
+        strip = lambda cs: [{k: v for k, v in c.items() if k not in ("id", "created")}
+                            if isinstance(c, dict) else c for c in cs]
+        assert strip(direct) == strip(via)
+    finally:
+        await srv.stop()
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("how", ["freeze_switch", "cut"])
+async def test_continuation_token_exact(vllm_server, vllm_server_b, chat, how):
+    """A stream moved mid-way to a second worker equals an uninterrupted reference run.
+
+    freeze_switch: worker A's connection goes silent mid-event (as under a CRIU dump), the
+    controller holds A and switches it to B's endpoint. cut: A's connection drops mid-event
+    (a dying worker) and the router continues on sibling B."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = _body(vllm_server.model, chat, return_token_ids=True)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(vllm_server_b.base_url + path, json=body) as r:
+            ref = await _read_sse(r)
+        proxy = await _CutProxy.start(vllm_server.base_url, limit=2500,
+                                      mode="freeze" if how == "freeze_switch" else "cut")
+        if how == "freeze_switch":
+            srv = await _router(_W(proxy.url, vllm_server.model))
+        else:
+            srv = await _router(_W(proxy.url, vllm_server.model), vllm_server_b)
+        rc = RouterControl(srv.control_url)
+        try:
+            async def run():
+                async with s.post(srv.url + path, json=body) as r:
+                    assert r.status == 200
+                    return await _read_sse(r)
+
+            task = asyncio.ensure_future(run())
+            await asyncio.wait_for(proxy.tripped.wait(), 60)
+            if how == "freeze_switch":
+                await asyncio.sleep(0.2)  # the stream is now silent, not broken
+                assert not task.done()
+                await rc.hold("w0")
+                info = await rc.switch("w0", vllm_server_b.base_url)
+                assert info["moved_streams"] == 1
+            got = await asyncio.wait_for(task, 120)
+        finally:
+            await rc.close()
+            await srv.stop()
+            await proxy.close()
+    assert got[-1] == "[DONE]"
+    assert not any(isinstance(c, dict) and "error" in c for c in got), got
+    assert 0 < len(_ids(got[:3]))
+    assert _ids(got) == _ids(ref)
+    assert _text(got, chat) == _text(ref, chat)
+    assert len({c["id"] for c in got if isinstance(c, dict)}) == 1
+    usage = [c["usage"] for c in got if isinstance(c, dict) and c.get("usage")][-1]
+    ref_usage = [c["usage"] for c in ref if isinstance(c, dict) and c.get("usage")][-1]
+    assert usage["completion_tokens"] == ref_usage["completion_tokens"] == N
+    assert usage["prompt_tokens"] == ref_usage["prompt_tokens"]
+    obj = {c["object"] for c in got if isinstance(c, dict)}
+    assert obj == {"chat.completion.chunk" if chat else "text_completion"}
+
+
+class _W:
+    def __init__(self, base_url, model):
+        self.base_url, self.model = base_url, model
+
+
+class _CutProxy:
+    """Loopback TCP proxy in front of a worker. After `limit` bytes of response it either
+    goes silent (freeze: what a client sees while CRIU dumps the worker) or drops the
+    connection (cut: a dying worker)."""
+
+    def __init__(self, limit, mode):
+        self.limit, self.mode = limit, mode
+        self.writers = []
+        self.server = None
+        self.url = ""
+        self.tripped = asyncio.Event()
+
+    @classmethod
+    async def start(cls, target_url, limit=2500, mode="cut"):
+        self = cls(limit, mode)
+        host, port = target_url.split("//")[1].split(":")
+
+        async def pipe(r, w, limited):
+            n = 0
+            try:
+                while data := await r.read(65536):
+                    if limited and not self.tripped.is_set() and n + len(data) >= self.limit:
+                        w.write(data[: self.limit - n])
+                        self.tripped.set()
+                        if self.mode == "cut":
+                            self.cut()
+                        return  # freeze: stop forwarding, keep both sockets open
+                    n += len(data)
+                    w.write(data)
+                    await w.drain()
+            except Exception:
+                pass
+
+        async def handle(cr, cw):
+            ur, uw = await asyncio.open_connection(host, int(port))
+            self.writers += [cw, uw]
+            asyncio.ensure_future(pipe(cr, uw, False))
+            asyncio.ensure_future(pipe(ur, cw, not self.tripped.is_set()))
+
+        self.server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    def cut(self):
+        for w in self.writers:
+            w.transport.abort()
+        self.writers.clear()
+
+    async def close(self):
+        self.cut()
+        self.server.close()
