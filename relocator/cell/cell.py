@@ -1,0 +1,212 @@
+"""A cell: one worker in its own PID, mount, IPC, UTS and network namespaces.
+
+The worker's whole process tree then dumps and restores without PID or file collisions, even
+while the original (stopped) processes still exist. A cell is described by a small JSON file
+under the state directory, so whoever owns the node (an agent) can find it again after a
+restart: cells are never the agent's children.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from relocator.cell import netns
+from relocator.paths import state_dir
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class CellError(RuntimeError):
+    pass
+
+
+@dataclass
+class Cell:
+    id: str
+    netns: str
+    ip: str
+    port: int
+    init_pid: int
+    engine: str = "vllm"
+    launch: dict[str, Any] = field(default_factory=dict)  # the engine LaunchSpec, as data
+    origin: str = "launch"  # or "restore:<image>"
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.ip}:{self.port}"
+
+    @property
+    def dir(self) -> Path:
+        return cells_dir() / self.id
+
+    @property
+    def log_path(self) -> Path:
+        """The worker's log, inside the cell's private /run."""
+        return Path(f"/proc/{self.init_pid}/root/run/worker.log")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError as exc:
+            return f"(log unavailable: {exc})"
+
+    # -- process tree ---------------------------------------------------------------------
+    def pids(self) -> list[int]:
+        """Host PIDs of the whole tree, init first."""
+        out, todo = [], [self.init_pid]
+        while todo:
+            pid = todo.pop(0)
+            out.append(pid)
+            try:
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    todo += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+            except OSError:
+                continue
+        return out
+
+    def is_alive(self) -> bool:
+        try:
+            state = Path(f"/proc/{self.init_pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return False
+        return state not in ("Z", "X")
+
+    def is_stopped(self) -> bool:
+        states = []
+        for pid in self.pids():
+            try:
+                states.append(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                continue
+        return bool(states) and all(s in ("T", "t") for s in states)
+
+    def signal_tree(self, sig: int) -> None:
+        for pid in self.pids():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def resume(self) -> None:
+        """Continue a tree left stopped by a dump (after a failed restore elsewhere)."""
+        self.signal_tree(signal.SIGCONT)
+
+    def kill(self, timeout: float = 10.0) -> None:
+        """Kill the whole tree and remove the cell's network namespace and record."""
+        if self.is_alive():
+            # PID 1 of a pid namespace: killing it kills every process in the namespace.
+            try:
+                os.kill(self.init_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + timeout
+            while self.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        netns.delete(self.netns)
+        _remove_record(self.id)
+
+    def save(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / "cell.json.tmp"
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        os.replace(tmp, self.dir / "cell.json")
+
+
+def cells_dir() -> Path:
+    return state_dir() / "cells"
+
+
+def _remove_record(cell_id: str) -> None:
+    d = cells_dir() / cell_id
+    for f in d.glob("*"):
+        f.unlink(missing_ok=True)
+    try:
+        d.rmdir()
+    except OSError:
+        pass
+
+
+def new_cell_id(prefix: str = "c") -> str:
+    return f"{prefix}{uuid.uuid4().hex[:8]}"
+
+
+def load_cell(cell_id: str) -> Cell:
+    path = cells_dir() / cell_id / "cell.json"
+    if not path.exists():
+        raise CellError(f"no cell {cell_id!r} on this node (looked in {path.parent})")
+    return Cell(**json.loads(path.read_text()))
+
+
+def list_cells() -> list[Cell]:
+    """Every cell recorded on this node (alive or not): what an agent re-adopts."""
+    root = cells_dir()
+    if not root.exists():
+        return []
+    cells = []
+    for path in sorted(root.glob("*/cell.json")):
+        try:
+            cells.append(Cell(**json.loads(path.read_text())))
+        except (OSError, ValueError, TypeError):
+            continue
+    return cells
+
+
+def launch_cell(
+    argv: list[str],
+    env: dict[str, str],
+    port: int,
+    *,
+    engine: str = "vllm",
+    launch: dict[str, Any] | None = None,
+    cell_id: str | None = None,
+    shm_size: str = "2g",
+    timeout: float = 20.0,
+) -> Cell:
+    """Start `argv` as a worker in a new cell listening on `port` inside its namespace.
+
+    Returns once the cell's init has recorded its host PID; the worker itself may still be
+    loading (use the engine adapter's readiness check on `cell.endpoint`).
+    """
+    cell_id = cell_id or new_cell_id()
+    link = netns.create(f"rl-{cell_id}")
+    cdir = cells_dir() / cell_id
+    cdir.mkdir(parents=True, exist_ok=True)
+    full_env = {
+        "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
+        "HOME": os.environ.get("HOME", "/root"),
+        "LANG": "C.UTF-8",
+        "TMPDIR": "/run",
+        "VLLM_RPC_BASE_PATH": "/run",
+        "PYTHONPATH": str(REPO_ROOT),
+        **env,
+    }
+    (cdir / "launch.json").write_text(json.dumps({"argv": argv, "env": full_env, "shm_size": shm_size}))
+    (cdir / "init.pid").unlink(missing_ok=True)
+    cmd = [
+        "setsid", "-f", "ip", "netns", "exec", link.name,
+        "unshare", "--pid", "--fork", "--mount", "--ipc", "--uts", "--propagation", "private",
+        sys.executable, "-m", "relocator.cell.init", str(cdir),
+    ]
+    subprocess.run(cmd, check=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    pid_file = cdir / "init.pid"
+    while not pid_file.exists():
+        if time.monotonic() > deadline:
+            netns.delete(link.name)
+            raise CellError(f"cell {cell_id} did not start within {timeout:.0f}s")
+        time.sleep(0.02)
+    cell = Cell(id=cell_id, netns=link.name, ip=link.cell_ip, port=port, init_pid=int(pid_file.read_text()),
+                engine=engine, launch=launch or {})
+    cell.save()
+    return cell

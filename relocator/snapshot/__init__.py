@@ -1,0 +1,19 @@
+"""Whole-instance snapshots of a cell: `dump(cell) -> Image`, `restore(image, target) -> Cell`."""
+
+from relocator.snapshot.fingerprint import Fingerprint, Mismatch
+from relocator.snapshot.manifest import ImageError, Manifest
+from relocator.snapshot.snapshot import (
+    Image,
+    IncompatibleImage,
+    RestoreTarget,
+    SnapshotError,
+    dump,
+    inspect_image,
+    restore,
+    resume_source,
+)
+
+__all__ = [
+    "Fingerprint", "Image", "ImageError", "IncompatibleImage", "Manifest", "Mismatch",
+    "RestoreTarget", "SnapshotError", "dump", "inspect_image", "restore", "resume_source",
+]

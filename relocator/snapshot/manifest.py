@@ -1,0 +1,138 @@
+"""An image's manifest: what is in the directory, where it came from, and how long it took."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import BaseModel, Field, ValidationError
+
+from relocator.snapshot.fingerprint import Fingerprint
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+# CRIU's own logs are written after the fact and are not part of what is restored.
+_NOT_CHECKSUMMED = {MANIFEST, "dump.log", "restore.log"}
+
+
+class ImageError(RuntimeError):
+    """The image cannot be used: missing, unreadable, corrupt, truncated or tampered with."""
+
+
+class FileEntry(BaseModel):
+    sha256: str
+    size: int
+
+
+class CellInfo(BaseModel):
+    """What is needed to bring the worker back as a cell: where it listens and how it was made."""
+
+    engine: str
+    port: int
+    launch: dict[str, Any] = Field(default_factory=dict)
+    source_cell: str
+
+
+class Manifest(BaseModel):
+    schema_version: int = SCHEMA_VERSION
+    created_at: float = Field(default_factory=time.time)
+    files: dict[str, FileEntry]
+    fingerprint: Fingerprint
+    cell: CellInfo
+    timings: dict[str, float] = Field(default_factory=dict)
+    # sha256 (HMAC-SHA256 with RELOCATOR_IMAGE_KEY when set) of everything above: a manifest
+    # edited by hand no longer matches it.
+    digest: str = ""
+
+    def compute_digest(self) -> str:
+        body = json.dumps(self.model_dump(exclude={"digest"}), sort_keys=True, separators=(",", ":")).encode()
+        key = os.environ.get("RELOCATOR_IMAGE_KEY")
+        if key:
+            return hmac.new(key.encode(), body, hashlib.sha256).hexdigest()
+        return hashlib.sha256(body).hexdigest()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(4 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _image_files(image_dir: Path) -> list[Path]:
+    return sorted(p for p in image_dir.iterdir() if p.is_file() and p.name not in _NOT_CHECKSUMMED)
+
+
+def hash_files(image_dir: Path, progress: Callable[[int], None] | None = None) -> dict[str, FileEntry]:
+    """sha256 and size of every image file; hashing runs on threads (hashlib frees the GIL)."""
+    files = _image_files(image_dir)
+
+    def one(path: Path) -> tuple[str, FileEntry]:
+        entry = FileEntry(sha256=_sha256(path), size=path.stat().st_size)
+        if progress:
+            progress(entry.size)
+        return path.name, entry
+
+    with ThreadPoolExecutor(max_workers=min(4, (os.cpu_count() or 2))) as pool:
+        return dict(pool.map(one, files))
+
+
+def write_manifest(image_dir: Path, manifest: Manifest) -> None:
+    manifest.digest = manifest.compute_digest()
+    tmp = image_dir / (MANIFEST + ".tmp")
+    tmp.write_text(manifest.model_dump_json(indent=2))
+    os.replace(tmp, image_dir / MANIFEST)
+
+
+def read_manifest(image_dir: Path) -> Manifest:
+    path = Path(image_dir) / MANIFEST
+    if not path.exists():
+        raise ImageError(f"{image_dir} is not an image: {MANIFEST} is missing")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ImageError(f"{path}: unreadable manifest ({exc})") from exc
+    if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
+        found = data.get("schema_version") if isinstance(data, dict) else type(data).__name__
+        raise ImageError(f"{path}: schema_version is {found!r}, this relocator reads {SCHEMA_VERSION}")
+    try:
+        manifest = Manifest.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise ImageError(f"{path}: invalid manifest at {where}: {first['msg']}") from exc
+    if not hmac.compare_digest(manifest.digest, manifest.compute_digest()):
+        raise ImageError(f"{path}: manifest digest does not match its content (edited or damaged)")
+    return manifest
+
+
+def verify_files(image_dir: Path, manifest: Manifest, progress: Callable[[int], None] | None = None) -> None:
+    """Raise ImageError on the first missing, extra, truncated or altered file."""
+    image_dir = Path(image_dir)
+    present = {p.name for p in _image_files(image_dir)}
+    missing = sorted(set(manifest.files) - present)
+    if missing:
+        raise ImageError(f"image {image_dir} is incomplete: missing {', '.join(missing[:5])}")
+    extra = sorted(present - set(manifest.files))
+    if extra:
+        raise ImageError(f"image {image_dir} has files the manifest does not list: {', '.join(extra[:5])}")
+    for name, entry in manifest.files.items():
+        size = (image_dir / name).stat().st_size
+        if size != entry.size:
+            raise ImageError(f"image file {name} is truncated or altered: {size} bytes, manifest says {entry.size}")
+    found = hash_files(image_dir, progress)
+    for name, entry in sorted(manifest.files.items()):
+        if found[name].sha256 != entry.sha256:
+            raise ImageError(f"image file {name} is corrupt: sha256 {found[name].sha256[:16]}..., "
+                             f"manifest says {entry.sha256[:16]}...")

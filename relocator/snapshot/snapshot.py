@@ -1,0 +1,226 @@
+"""Dump a cell into an image and restore an image into a new cell.
+
+After a dump the source tree is *stopped*, not killed: if the restore fails anywhere, the
+caller resumes it with `resume_source`. A restore first checks the manifest, every file's
+checksum and the fingerprint against the target, and refuses with a specific reason before
+anything is started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from adapters.base import EngineFingerprint, LaunchSpec, get_adapter
+from relocator.cell import netns
+from relocator.cell.cell import Cell, CellError, cells_dir, new_cell_id
+from relocator.snapshot import criu, cuda
+from relocator.snapshot.fingerprint import Fingerprint, Mismatch, compatibility, host_fingerprint
+from relocator.snapshot.manifest import (
+    CellInfo,
+    ImageError,
+    Manifest,
+    hash_files,
+    read_manifest,
+    verify_files,
+    write_manifest,
+)
+
+Progress = Callable[[str, float | None], None]  # (step description, fraction done or None)
+
+
+class SnapshotError(RuntimeError):
+    pass
+
+
+class IncompatibleImage(SnapshotError):
+    def __init__(self, mismatches: list[Mismatch]):
+        self.mismatches = mismatches
+        super().__init__("image is not compatible with this target: " + "; ".join(str(m) for m in mismatches))
+
+
+@dataclass
+class Image:
+    path: Path
+    manifest: Manifest
+
+    @property
+    def bytes(self) -> int:
+        return self.manifest.total_bytes
+
+
+@dataclass
+class RestoreTarget:
+    """Where to restore: the fingerprint expected there (default: this host + the image's
+    engine as installed here) and options."""
+
+    fingerprint: Fingerprint | None = None
+    verify_checksums: bool = True
+    cell_id: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _noop(_step: str, _frac: float | None) -> None:
+    pass
+
+
+def _launch_spec(cell: Cell) -> LaunchSpec:
+    data = dict(cell.launch)
+    data["model_dir"] = Path(data["model_dir"])
+    return LaunchSpec(**data)
+
+
+def engine_fingerprint_for(cell_launch: dict, engine: str) -> EngineFingerprint:
+    data = dict(cell_launch)
+    data["model_dir"] = Path(data["model_dir"])
+    return get_adapter(engine).fingerprint(LaunchSpec(**data))
+
+
+def _shm_files(cell: Cell) -> set[str]:
+    try:
+        return set(os.listdir(f"/proc/{cell.init_pid}/root/dev/shm"))
+    except OSError:
+        return set()
+
+
+def dump(cell: Cell, image_dir: Path, progress: Progress = _noop) -> Image:
+    """Checkpoint `cell` into `image_dir` (must not exist or be empty). The cell stays stopped."""
+    image_dir = Path(image_dir)
+    if image_dir.exists() and any(image_dir.iterdir()):
+        raise SnapshotError(f"{image_dir} is not empty; choose a new image directory")
+    if not cell.is_alive():
+        raise CellError(f"cell {cell.id} is not running (init pid {cell.init_pid})")
+    if not cell.launch:
+        raise SnapshotError(f"cell {cell.id} has no launch record; cannot fingerprint its engine")
+    timings: dict[str, float] = {}
+    t0 = time.monotonic()
+    progress("fingerprint", None)
+    fingerprint = Fingerprint(host=host_fingerprint(), engine=engine_fingerprint_for(cell.launch, cell.engine))
+    timings["fingerprint_s"] = time.monotonic() - t0
+    shm_before = _shm_files(cell)
+    cuda_pids: list[int] = []
+    if cuda.available():
+        progress("cuda-checkpoint", None)
+        t = time.monotonic()
+        cuda_pids = cuda.checkpoint(cell.pids())
+        timings["cuda_checkpoint_s"] = time.monotonic() - t
+    progress("criu dump", None)
+    netns_inode = os.stat(f"/proc/{cell.init_pid}/ns/net").st_ino
+    try:
+        result = criu.dump(cell.init_pid, image_dir, netns_inode, leave_stopped=True)
+    except criu.CriuError:
+        if cuda_pids:
+            cuda.restore(cuda_pids)
+        raise
+    timings["criu_dump_s"] = result.seconds
+    # CRIU links unlinked files (semaphores) back under their names and, with --leave-stopped,
+    # leaves those links behind; they must go before the source is resumed or dumped again.
+    (cell.dir / "link_remaps.json").write_text(json.dumps(sorted(_shm_files(cell) - shm_before)))
+    (cell.dir / "cuda_pids.json").write_text(json.dumps(cuda_pids))
+    progress("checksums", 0.0)
+    t = time.monotonic()
+    total = sum(p.stat().st_size for p in image_dir.iterdir() if p.is_file())
+    done = 0
+
+    def tick(n: int) -> None:
+        nonlocal done
+        done += n
+        progress("checksums", done / total if total else 1.0)
+
+    files = hash_files(image_dir, tick)
+    timings["checksum_s"] = time.monotonic() - t
+    timings["total_s"] = time.monotonic() - t0
+    manifest = Manifest(
+        files=files,
+        fingerprint=fingerprint,
+        cell=CellInfo(engine=cell.engine, port=cell.port, launch=cell.launch, source_cell=cell.id),
+        timings=timings,
+    )
+    write_manifest(image_dir, manifest)
+    return Image(path=image_dir, manifest=manifest)
+
+
+def resume_source(cell: Cell) -> None:
+    """Bring a cell left stopped by `dump` back to serving (a restore elsewhere failed)."""
+    remaps = cell.dir / "link_remaps.json"
+    if remaps.exists():
+        for name in json.loads(remaps.read_text()):
+            try:
+                os.unlink(f"/proc/{cell.init_pid}/root/dev/shm/{name}")
+            except FileNotFoundError:
+                pass
+        remaps.unlink()
+    criu.unlock_network(cell.netns)
+    cuda_file = cell.dir / "cuda_pids.json"
+    if cuda_file.exists():
+        pids = json.loads(cuda_file.read_text())
+        if pids:
+            cuda.restore(pids)
+        cuda_file.unlink()
+    cell.resume()
+
+
+def inspect_image(image_dir: Path, verify: bool = False) -> Image:
+    image_dir = Path(image_dir)
+    if not image_dir.is_dir():
+        raise ImageError(f"{image_dir}: no such image directory")
+    manifest = read_manifest(image_dir)
+    if verify:
+        verify_files(image_dir, manifest)
+    return Image(path=image_dir, manifest=manifest)
+
+
+def restore(image: Image | Path, target: RestoreTarget | None = None, progress: Progress = _noop) -> Cell:
+    """Verify `image` against this host and restore it into a new cell; returns the cell.
+
+    Raises ImageError (corrupt, truncated or tampered image) or IncompatibleImage (with every
+    mismatch) before anything is started; CriuError if CRIU fails. The source is never touched.
+    """
+    target = target or RestoreTarget()
+    image = inspect_image(image) if isinstance(image, (str, Path)) else image
+    manifest = read_manifest(image.path)  # re-read: the files on disk are what gets restored
+    t0 = time.monotonic()
+    if target.verify_checksums:
+        progress("verify checksums", 0.0)
+        total, done = manifest.total_bytes, 0
+
+        def tick(n: int) -> None:
+            nonlocal done
+            done += n
+            progress("verify checksums", done / total if total else 1.0)
+
+        verify_files(image.path, manifest, tick)
+    verify_s = time.monotonic() - t0
+    progress("compatibility", None)
+    expected = target.fingerprint or Fingerprint(
+        host=host_fingerprint(), engine=engine_fingerprint_for(manifest.cell.launch, manifest.cell.engine)
+    )
+    mismatches = compatibility(manifest.fingerprint, expected)
+    if mismatches:
+        raise IncompatibleImage(mismatches)
+    cell_id = target.cell_id or new_cell_id("r")
+    link = netns.create(f"rl-{cell_id}")
+    cdir = cells_dir() / cell_id
+    cdir.mkdir(parents=True, exist_ok=True)
+    progress("criu restore", None)
+    t = time.monotonic()
+    try:
+        pid = criu.restore(image.path, link.path, cdir / "init.pid", log_dir=cdir)
+    except BaseException:
+        netns.delete(link.name)
+        shutil.rmtree(cdir, ignore_errors=True)
+        raise
+    cell = Cell(id=cell_id, netns=link.name, ip=link.cell_ip, port=manifest.cell.port, init_pid=pid,
+                engine=manifest.cell.engine, launch=manifest.cell.launch, origin=f"restore:{image.path}")
+    cell.save()
+    if cuda.available():
+        progress("cuda restore", None)
+        cuda.restore([p for p in cell.pids() if cuda.cuda_state(p) == "checkpointed"])
+    (cdir / "restore_timings.json").write_text(json.dumps(
+        {"verify_s": verify_s, "criu_restore_s": time.monotonic() - t, "total_s": time.monotonic() - t0}))
+    return cell

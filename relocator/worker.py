@@ -1,0 +1,42 @@
+"""Launch an engine worker in a cell and wait for it: glue between adapters and cells."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from pathlib import Path
+
+from adapters.base import LaunchSpec, get_adapter
+from relocator.cell.cell import Cell, CellError, launch_cell
+
+
+def spec_to_dict(spec: LaunchSpec) -> dict:
+    data = dataclasses.asdict(spec)
+    data["model_dir"] = str(spec.model_dir)
+    return data
+
+
+def launch_worker(spec: LaunchSpec, engine: str = "vllm", cell_id: str | None = None) -> Cell:
+    """Start a worker cell; returns at once (the engine is still loading)."""
+    spec.host = "0.0.0.0"  # inside the cell's own network namespace
+    adapter = get_adapter(engine)
+    argv, env = adapter.command(spec)
+    return launch_cell(argv, env, spec.port, engine=engine, launch=spec_to_dict(spec), cell_id=cell_id)
+
+
+async def wait_ready(cell: Cell, timeout: float = 300.0, poll: float = 0.25) -> float:
+    """Wait until the cell's engine serves; returns the seconds waited."""
+    adapter = get_adapter(cell.engine)
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if not cell.is_alive():
+            raise CellError(f"cell {cell.id} died while starting:\n{cell.log_tail()}")
+        if await adapter.is_ready(cell.endpoint, timeout=2.0):
+            return time.monotonic() - start
+        await asyncio.sleep(poll)
+    raise CellError(f"cell {cell.id} not ready after {timeout:.0f}s:\n{cell.log_tail()}")
+
+
+def default_spec(model_dir: Path, name: str = "tiny-llama", port: int = 8000) -> LaunchSpec:
+    return LaunchSpec(model_dir=model_dir, served_model_name=name, port=port)
