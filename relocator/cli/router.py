@@ -1,0 +1,81 @@
+"""`relocator router serve` and `relocator bench router`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import List, Optional
+
+import typer
+
+from relocator.cli import app, bench_app
+
+router_app = typer.Typer(help="The OpenAI-compatible router that moves traffic with workers.",
+                         no_args_is_help=True)
+app.add_typer(router_app, name="router")
+
+
+@router_app.command("serve")
+def serve(
+    config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML file (key `router:` "
+                                         "or top level); RELOCATOR_ROUTER_* env overrides it"),
+    host: Optional[str] = typer.Option(None, help="API listen address"),
+    port: Optional[int] = typer.Option(None, help="API port"),
+    backend: List[str] = typer.Option([], "--backend", "-b",
+                                      help="MODEL=URL or WORKER@MODEL=URL, repeatable"),
+    policy: Optional[str] = typer.Option(None, help="round_robin | least_in_flight | affinity"),
+    log_level: str = typer.Option("warning", help="Python log level"),
+) -> None:
+    """Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics and the
+    control API."""
+    from relocator.router.config import RouterSettings, parse_backend
+    from relocator.router.server import serve_forever
+
+    logging.basicConfig(level=log_level.upper())
+    settings = RouterSettings.load(config, host=host, port=port, policy=policy)
+    if backend:
+        settings.backends = settings.backends + [parse_backend(b) for b in backend]
+    try:
+        import uvloop  # noqa: F401
+
+        uvloop.install()
+    except Exception:
+        pass
+    try:
+        asyncio.run(serve_forever(settings))
+    except KeyboardInterrupt:
+        pass
+
+
+@bench_app.command("router")
+def bench_router(
+    json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
+    concurrency: int = typer.Option(100, help="concurrent streams"),
+    duration: float = typer.Option(5.0, help="seconds measured per target"),
+    tokens: int = typer.Option(16, help="tokens per stream"),
+    vllm_url: Optional[str] = typer.Option(None, help="real vLLM worker for a correctness pass"),
+) -> None:
+    """TTFB and req/s: direct vs relocator router vs vllm-router, same backend, one run."""
+    from relocator.router.bench import run_bench
+
+    res = asyncio.run(run_bench(concurrency, duration, tokens, vllm_url=vllm_url))
+    if json_out:
+        typer.echo(json.dumps(res))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"router benchmark, {concurrency} concurrent streams")
+    for c in ("target", "ttfb p50 ms", "ttfb p99 ms", "req/s", "errors"):
+        t.add_column(c)
+    for k in ("direct", "relocator", "vllm_router"):
+        v = res.get(k, {})
+        if "error" in v and isinstance(v["error"], str):
+            t.add_row(k, "-", "-", "-", v["error"])
+        else:
+            t.add_row(k, str(v["ttfb_p50_ms"]), str(v["ttfb_p99_ms"]), str(v["req_per_s"]),
+                      str(v["errors"]))
+    Console().print(t)
+    if "correctness_vllm" in res:
+        Console().print(res["correctness_vllm"])
