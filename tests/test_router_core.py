@@ -1,0 +1,161 @@
+"""Router core without HTTP: policies, table (hold/switch/release), SSE state, engine."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from relocator.router import errors
+from relocator.router.config import RouterSettings, parse_backend
+from relocator.router.engine import VLLMEngine
+from relocator.router.policies import make_policy
+from relocator.router.stream import StreamState
+from relocator.router.table import ReplicaState, RoutingTable, StreamHandle
+
+ASYNC = pytest.mark.asyncio(loop_scope="session")
+
+
+def test_core_does_not_import_aiohttp():
+    code = ("import sys, relocator.router, relocator.router.core, relocator.router.stream;"
+            "assert 'aiohttp' not in sys.modules, 'aiohttp imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_policies():
+    t = RoutingTable("round_robin")
+    for i in range(3):
+        t.add(f"w{i}", "m", f"http://h{i}")
+    reps = t.replicas("m")
+    rr = make_policy("round_robin")
+    assert [rr.choose(reps, None).worker_id for _ in range(4)] == ["w0", "w1", "w2", "w0"]
+    reps[0].in_flight, reps[1].in_flight, reps[2].in_flight = 3, 1, 2
+    assert make_policy("least_in_flight").choose(reps, None).worker_id == "w1"
+    aff = make_policy("affinity", max_imbalance=100)
+    picks = {aff.choose(reps, "session-42").worker_id for _ in range(5)}
+    assert len(picks) == 1
+    tight = make_policy("affinity", max_imbalance=0)
+    assert tight.choose(reps, "session-42").worker_id == "w1"
+    with pytest.raises(ValueError):
+        make_policy("nope")
+
+
+@ASYNC
+async def test_hold_queue_fifo_bound_timeout_and_switch():
+    t = RoutingTable("least_in_flight", hold_queue_max=3, hold_timeout_s=0.2)
+    t.add("w", "m", "http://a")
+    t.hold("w")
+    order = []
+
+    async def req(i):
+        r = await t.acquire("m")
+        order.append(i)
+        t.done(r)
+        return r.endpoint
+
+    tasks = [asyncio.create_task(req(i)) for i in range(3)]
+    await asyncio.sleep(0.01)
+    assert t.held_requests() == 3
+    with pytest.raises(errors.RouterError) as ei:
+        await t.acquire("m")
+    assert ei.value.code == "hold_queue_full"
+    h = StreamHandle("w")
+    cut = []
+    h.abort = lambda: cut.append(1)
+    t.register(t.get("w"), h)
+    info = t.switch("w", "http://b/")
+    assert info["moved_streams"] == 1 and h.moved and cut == [1] and info["released"] == 3
+    assert await asyncio.gather(*tasks) == ["http://b"] * 3
+    assert order == [0, 1, 2]
+    assert t.get("w").in_flight == 0 and t.get("w").state is ReplicaState.ACTIVE
+    t.hold("w")
+    with pytest.raises(errors.RouterError) as ei:
+        await t.acquire("m")
+    assert ei.value.status == 503 and ei.value.code == "hold_timeout"
+    assert t.held_requests() == 0 and t.get("w").in_flight == 0
+    # a waiter whose client goes away does not leak an in-flight count
+    task = asyncio.create_task(t.acquire("m"))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    t.release("w")
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert t.get("w").in_flight == 0
+    with pytest.raises(errors.RouterError) as ei:
+        await t.acquire("other")
+    assert ei.value.status == 404
+
+
+@ASYNC
+async def test_remove_fails_waiters():
+    t = RoutingTable(hold_timeout_s=5)
+    t.add("w", "m", "http://a")
+    t.hold("w")
+    task = asyncio.create_task(t.acquire("m"))
+    await asyncio.sleep(0.01)
+    t.remove("w")
+    with pytest.raises(errors.RouterError):
+        await task
+
+
+def test_vllm_engine_scan_strip_and_continuation():
+    e = VLLMEngine()
+    raw = b'{"model":"m","prompt":"x","stream":true}'
+    assert e.ask_for_token_ids(raw).endswith(b',"return_token_ids":true}')
+    ev = (b'data: {"id":"c","choices":[{"index":0,"text":"a","logprobs":null,'
+          b'"finish_reason":null,"stop_reason":null,"prompt_token_ids":[1,2,3],'
+          b'"token_ids":[7]}]}\n\n')
+    assert e.scan(ev) == (b"1,2,3", [b"7"])
+    assert b'"prompt_token_ids":null,"token_ids":null' in e.strip(ev)
+    path, req = e.continuation_request("chat", {"model": "m", "messages": [], "max_tokens": 10,
+                                                "temperature": 0, "stop": ["x"]}, [1, 2], [7, 8])
+    assert path == "/v1/completions" and req["prompt"] == [1, 2, 7, 8]
+    assert req["max_tokens"] == 8 and req["stop"] == ["x"] and "messages" not in req
+    assert e.unsupported_reason("completions", {"n": 2}) is not None
+    assert e.unsupported_reason("chat", {"tools": [{}]}) is not None
+    assert e.unsupported_reason("completions", {"prompt": "x"}) is None
+
+
+def test_stream_state_framing_and_splice():
+    e = VLLMEngine()
+    st = StreamState(e, "chat", {"model": "m", "messages": [], "max_tokens": 4,
+                                 "stream_options": {"include_usage": True}},
+                     track=True, strip=True)
+    first = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":5,'
+             b'"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+             b'"logprobs":null,"finish_reason":null}],"prompt_token_ids":[1,2]}\n\n')
+    tok = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":5,"model":"m",'
+           b'"choices":[{"index":0,"delta":{"content":"a"},"logprobs":null,'
+           b'"finish_reason":null,"token_ids":[9]}]}\n\n')
+    # split mid-event: nothing is forwarded until the event is complete
+    assert st.feed(first[:30]) == b""
+    out = st.feed(first[30:] + tok[:10])
+    assert out.endswith(b'"prompt_token_ids":null}\n\n')
+    assert st.feed(tok[10:]).count(b"\n\n") == 1
+    assert st.prompt_ids == [1, 2] and st.sent_ids == [9]
+    st.begin_continuation()
+    cont = (b'data: {"id":"cmpl-9","object":"text_completion","created":7,"model":"m",'
+            b'"choices":[{"index":0,"text":"bc","logprobs":null,"finish_reason":"length",'
+            b'"stop_reason":null,"prompt_token_ids":[1,2,9],"token_ids":[4,5]}]}\n\n'
+            b'data: [DONE]\n\n')
+    out = st.feed(cont).decode()
+    assert '"id":"chatcmpl-1"' in out and '"object":"chat.completion.chunk"' in out
+    assert '"delta":{"content":"bc"}' in out and '"finish_reason":"length"' in out
+    assert '"completion_tokens":3' in out and '"prompt_tokens":2' in out
+    assert out.endswith("data: [DONE]\n\n") and st.done
+
+
+def test_settings_env_and_backend(monkeypatch, tmp_path):
+    f = tmp_path / "r.yaml"
+    f.write_text("router:\n  port: 9000\n  policy: round_robin\n")
+    monkeypatch.setenv("RELOCATOR_ROUTER_PORT", "9100")
+    s = RouterSettings.load(f)
+    assert s.port == 9100 and s.policy == "round_robin"
+    b = parse_backend("w1@tiny=http://127.0.0.1:8000/")
+    assert (b.worker_id, b.model, b.url) == ("w1", "tiny", "http://127.0.0.1:8000")
+    with pytest.raises(ValueError):
+        parse_backend("nourl")
+    with pytest.raises(ValueError):
+        RouterSettings(policy="nope")
