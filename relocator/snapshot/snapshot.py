@@ -175,6 +175,16 @@ def inspect_image(image_dir: Path, verify: bool = False) -> Image:
     return Image(path=image_dir, manifest=manifest)
 
 
+def expected_fingerprint(manifest: Manifest) -> Fingerprint:
+    """What this host would offer the image: its own host part, the engine as installed here."""
+    return Fingerprint(host=host_fingerprint(),
+                       engine=engine_fingerprint_for(manifest.cell.launch, manifest.cell.engine))
+
+
+def compatibility_report(image: Image) -> list[Mismatch]:
+    return compatibility(image.manifest.fingerprint, expected_fingerprint(image.manifest))
+
+
 def restore(image: Image | Path, target: RestoreTarget | None = None, progress: Progress = _noop) -> Cell:
     """Verify `image` against this host and restore it into a new cell; returns the cell.
 
@@ -197,9 +207,7 @@ def restore(image: Image | Path, target: RestoreTarget | None = None, progress: 
         verify_files(image.path, manifest, tick)
     verify_s = time.monotonic() - t0
     progress("compatibility", None)
-    expected = target.fingerprint or Fingerprint(
-        host=host_fingerprint(), engine=engine_fingerprint_for(manifest.cell.launch, manifest.cell.engine)
-    )
+    expected = target.fingerprint or expected_fingerprint(manifest)
     mismatches = compatibility(manifest.fingerprint, expected)
     if mismatches:
         raise IncompatibleImage(mismatches)

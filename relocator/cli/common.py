@@ -1,0 +1,42 @@
+"""What every CLI command shares: consoles, JSON output, and turning errors into messages."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from typing import Any, Callable, TypeVar
+
+import typer
+from rich.console import Console
+
+console = Console()
+err = Console(stderr=True)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def fail(message: str, code: int = 1) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+def handle_errors(fn: F) -> F:
+    """Known failures become one clear line and a non-zero exit, not a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the CLI boundary
+            if os.environ.get("RELOCATOR_DEBUG"):
+                raise
+            fail(f"{exc}  ({type(exc).__name__}; set RELOCATOR_DEBUG=1 for a traceback)", 2)
+
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,28 @@
+"""`relocator preflight`: say exactly what is missing or too old on this machine."""
+
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+
+from relocator.cli import app
+from relocator.cli.common import console, print_json
+
+
+@app.command()
+def preflight(json_out: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
+    """Check root, kernel features, CRIU >= 4.2, system tools and Python packages."""
+    from relocator.preflight import run_checks
+
+    checks = run_checks()
+    ok = all(c.ok for c in checks)
+    if json_out:
+        print_json({"ok": ok, "checks": [c.model_dump() for c in checks]})
+    else:
+        table = Table(title="relocator preflight")
+        for col in ("check", "", "detail", "fix"):
+            table.add_column(col)
+        for c in checks:
+            table.add_row(c.name, "[green]ok[/]" if c.ok else "[red]FAIL[/]", c.detail, "" if c.ok else c.fix)
+        console.print(table)
+    raise typer.Exit(0 if ok else 1)

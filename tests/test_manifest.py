@@ -1,0 +1,113 @@
+"""Manifest and image-integrity logic, on small synthetic image directories."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from adapters.base import EngineFingerprint
+from relocator.snapshot.fingerprint import Fingerprint, HostFingerprint
+from relocator.snapshot.manifest import (
+    CellInfo,
+    ImageError,
+    Manifest,
+    hash_files,
+    read_manifest,
+    verify_files,
+    write_manifest,
+)
+
+
+def _fingerprint() -> Fingerprint:
+    return Fingerprint(
+        host=HostFingerprint(arch="x86_64", cpu_model="cpu", kernel="6.18", criu_version="4.2.1"),
+        engine=EngineFingerprint(engine="vllm", engine_version="0.32.0", model_id="m", weight_sha256="ab",
+                                 dtype="bfloat16", max_model_len=2048),
+    )
+
+
+@pytest.fixture
+def image(tmp_path: Path) -> Path:
+    (tmp_path / "pages-1.img").write_bytes(bytes(range(256)) * 1000)
+    (tmp_path / "core-1.img").write_bytes(b"core")
+    (tmp_path / "dump.log").write_text("criu log, not checksummed")
+    manifest = Manifest(files=hash_files(tmp_path), fingerprint=_fingerprint(),
+                        cell=CellInfo(engine="vllm", port=8000, source_cell="c1"), timings={"criu_dump_s": 1.0})
+    write_manifest(tmp_path, manifest)
+    return tmp_path
+
+
+def test_roundtrip_and_verify(image: Path) -> None:
+    m = read_manifest(image)
+    assert set(m.files) == {"pages-1.img", "core-1.img"}
+    assert m.files["core-1.img"].size == 4
+    assert m.total_bytes == 256_000 + 4
+    verify_files(image, m)  # no error
+
+
+def test_flipped_byte_is_refused(image: Path) -> None:
+    data = bytearray((image / "pages-1.img").read_bytes())
+    data[1234] ^= 0x01
+    (image / "pages-1.img").write_bytes(bytes(data))
+    with pytest.raises(ImageError, match="pages-1.img is corrupt"):
+        verify_files(image, read_manifest(image))
+
+
+def test_truncated_file_is_refused(image: Path) -> None:
+    with open(image / "pages-1.img", "r+b") as fh:
+        fh.truncate(1000)
+    with pytest.raises(ImageError, match="truncated"):
+        verify_files(image, read_manifest(image))
+
+
+def test_missing_and_extra_files(image: Path) -> None:
+    (image / "core-1.img").unlink()
+    with pytest.raises(ImageError, match="missing core-1.img"):
+        verify_files(image, read_manifest(image))
+    (image / "core-1.img").write_bytes(b"core")
+    (image / "intruder.img").write_bytes(b"x")
+    with pytest.raises(ImageError, match="intruder.img"):
+        verify_files(image, read_manifest(image))
+
+
+def test_tampered_manifest_is_refused(image: Path) -> None:
+    data = json.loads((image / "manifest.json").read_text())
+    data["fingerprint"]["engine"]["weight_sha256"] = "cd"
+    (image / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ImageError, match="digest does not match"):
+        read_manifest(image)
+
+
+def test_manifest_edited_checksum_is_refused(image: Path) -> None:
+    data = json.loads((image / "manifest.json").read_text())
+    data["files"]["core-1.img"]["sha256"] = "0" * 64
+    (image / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ImageError, match="digest"):
+        read_manifest(image)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [("{not json", "unreadable manifest"), ('{"schema_version": 99}', "schema_version is 99"),
+     ('{"schema_version": 1, "files": {}}', "invalid manifest at fingerprint"), ("[]", "schema_version")],
+)
+def test_bad_manifests(image: Path, content: str, message: str) -> None:
+    (image / "manifest.json").write_text(content)
+    with pytest.raises(ImageError, match=message):
+        read_manifest(image)
+
+
+def test_not_an_image(tmp_path: Path) -> None:
+    with pytest.raises(ImageError, match="manifest.json is missing"):
+        read_manifest(tmp_path)
+
+
+def test_hmac_key_changes_digest(image: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RELOCATOR_IMAGE_KEY", "secret")
+    with pytest.raises(ImageError, match="digest"):
+        read_manifest(image)  # written without the key
+    m = Manifest.model_validate_json((image / "manifest.json").read_text())
+    write_manifest(image, m)
+    assert read_manifest(image).digest == m.digest
