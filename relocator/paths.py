@@ -13,3 +13,8 @@ def state_dir() -> Path:
 
 def images_dir() -> Path:
     return Path(os.environ.get("RELOCATOR_IMAGES_DIR", "/var/lib/relocator/images"))
+
+
+def net_dir() -> Path:
+    """Machine-wide registry of network blocks: shared by every emulated node on one host."""
+    return Path(os.environ.get("RELOCATOR_NET_DIR", "/run/relocator/net"))

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
-from relocator.paths import state_dir
+from relocator.paths import net_dir
 
 POOL = ipaddress.ip_network(os.environ.get("RELOCATOR_NET_POOL", "10.251.0.0/16"))
 MAX_BLOCKS = POOL.num_addresses // 4
@@ -49,7 +49,7 @@ def _run(*args: str) -> None:
 
 
 def _registry() -> Path:
-    return state_dir() / "net"
+    return net_dir()
 
 
 @contextmanager
