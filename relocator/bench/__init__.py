@@ -1,0 +1,1 @@
+"""Benchmarks: each measures relocator side by side with its baseline in one run."""

@@ -1,0 +1,34 @@
+"""`relocator bench snapshot`: cold start vs CRIU restore of a vLLM CPU worker."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from relocator.cli import bench_app
+from relocator.cli.common import console, err, handle_errors, print_json
+
+
+@bench_app.command("snapshot")
+@handle_errors
+def bench_snapshot(
+    image_root: Optional[Path] = typer.Option(None, help="Where the temporary image goes (default: /tmp)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Cold start vs restore to first token, dump time, image size vs RSS, restore vs memcpy speed."""
+    from relocator.bench.snapshot import run
+
+    result = asyncio.run(run(image_root, log=lambda m: err.print(f"[dim]{m}[/]")))
+    if json_out:
+        print_json(result)
+        return
+    table = Table(title="relocator bench snapshot")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, value in result.items():
+        table.add_row(key, str(value))
+    console.print(table)
