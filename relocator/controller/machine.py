@@ -1,0 +1,343 @@
+"""The relocation state machine: PLAN → RESERVE → HOLD → DUMP → TRANSFER → RESTORE → SWITCH →
+RELEASE, with rollback and crash recovery.
+
+Pure logic: every effect goes through a `Backend` (agents, reservations, router), so the machine
+is tested with fakes and run for real against Ray agents, placement groups and the router.
+Each phase is persisted *before* it starts; `recover()` reads that record after a controller
+restart and completes (from SWITCH on) or rolls back (before SWITCH) the relocation.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Protocol
+
+from relocator.controller.model import (
+    DONE,
+    FAILED,
+    PHASES,
+    ROLLBACK_BEFORE,
+    ROLLED_BACK,
+    RUNNING,
+    Relocation,
+    WorkerRecord,
+    phase_index,
+)
+from relocator.controller.store import Store
+
+log = logging.getLogger("relocator.controller")
+
+I_HOLD, I_DUMP, I_RESTORE, I_SWITCH = (PHASES.index(p) for p in ("HOLD", "DUMP", "RESTORE", "SWITCH"))
+I_RESERVE = PHASES.index("RESERVE")
+
+
+class RelocationError(RuntimeError):
+    pass
+
+
+class PlanError(RelocationError):
+    """The relocation cannot start (no target, incompatible, busy); nothing was touched."""
+
+
+class FaultInjected(RelocationError):
+    pass
+
+
+class SimulatedCrash(BaseException):
+    """Raised by a test's crash hook: the machine stops dead, as if its process had died."""
+
+
+class Backend(Protocol):
+    # planning
+    def pick_target(self, worker: WorkerRecord) -> str: ...
+    def compatible(self, worker: WorkerRecord, node: str) -> list[str]: ...
+    def image_dir(self, node: str, relocation_id: str) -> str: ...
+    # reservations (placement groups)
+    def reserve(self, worker: WorkerRecord, node: str, name: str) -> None: ...
+    def free(self, name: str) -> None: ...
+    # router
+    def hold(self, worker_id: str) -> None: ...
+    def switch(self, worker_id: str, endpoint: str) -> dict: ...
+    def release(self, worker_id: str) -> None: ...
+    # agents
+    def dump(self, node: str, cell_id: str, image_dir: str) -> dict: ...
+    def transfer(self, src: str, dst: str, image_dir: str, dst_image_dir: str) -> dict: ...
+    def restore(self, node: str, image_dir: str, cell_id: str) -> dict: ...
+    def cell_state(self, node: str, cell_id: str) -> str: ...  # running | stopped | absent
+    def resume(self, node: str, cell_id: str) -> None: ...
+    def kill(self, node: str, cell_id: str) -> None: ...
+    def remove_image(self, node: str, image_dir: str) -> None: ...
+
+
+def _default_crash(after_s: float) -> None:  # pragma: no cover - kills the process
+    import os
+    import threading
+
+    threading.Timer(after_s, lambda: os._exit(17)).start()
+
+
+class Machine:
+    """Runs one relocation at a time per call; the controller runs several on threads."""
+
+    def __init__(self, store: Store, backend: Backend, *, keep_images: bool = False,
+                 on_crash: Callable[[float], None] = _default_crash,
+                 on_update: Callable[[Relocation], None] | None = None,
+                 switch_retries: int = 3) -> None:
+        self.store = store
+        self.backend = backend
+        self.keep_images = keep_images
+        self.on_crash = on_crash
+        self.on_update = on_update
+        self.switch_retries = switch_retries
+
+    # -- bookkeeping ----------------------------------------------------------------------
+    def _save(self, rel: Relocation) -> None:
+        self.store.save_relocation(rel)
+        if self.on_update:
+            self.on_update(rel)
+
+    def _enter(self, rel: Relocation, phase: str) -> None:
+        rel.phase = phase
+        rel.phases.append({"name": phase, "started": time.time(), "ended": None, "ok": None, "info": {}})
+        self._save(rel)  # persisted before the phase starts
+        crash = rel.faults.get("crash")
+        if crash and crash.get("phase") == phase and not crash.get("fired"):
+            crash["fired"] = True
+            self._save(rel)
+            self.on_crash(float(crash.get("after_s", 0.0)))
+
+    def _leave(self, rel: Relocation, ok: bool, info: dict | None = None) -> None:
+        cur = rel.phases[-1]
+        cur["ended"], cur["ok"] = time.time(), ok
+        cur["info"].update(info or {})
+        self._save(rel)
+
+    def _fault(self, rel: Relocation, phase: str) -> None:
+        if rel.faults.get(phase.lower()):
+            raise FaultInjected(f"fault injected at {phase}")
+
+    # -- the run ---------------------------------------------------------------------------
+    def run(self, rel: Relocation) -> Relocation:
+        worker = self.store.worker(rel.worker)
+        if worker is None:
+            raise PlanError(f"unknown worker {rel.worker!r}")
+        for phase in PHASES:
+            self._enter(rel, phase)
+            try:
+                info = getattr(self, "_p_" + phase.lower())(rel, worker) or {}
+            except SimulatedCrash:
+                raise
+            except Exception as exc:  # noqa: BLE001 - every failure is handled below
+                self._leave(rel, False, {"error": str(exc)})
+                rel.error = f"{phase}: {exc}"
+                log.warning("relocation %s failed at %s: %s", rel.id, phase, exc)
+                if phase == "RELEASE":
+                    # the worker serves from its target; the stopped source is cleaned up later
+                    return self._finish(rel, DONE)
+                if phase == "PLAN":  # nothing was touched (the worker is marked last)
+                    return self._finish(rel, FAILED)
+                self.rollback(rel, phase_index(phase))
+                return rel
+            self._leave(rel, True, info)
+        return self._finish(rel, DONE)
+
+    def _finish(self, rel: Relocation, result: str) -> Relocation:
+        rel.result = result
+        rel.finished_at = time.time()
+        self._save(rel)
+        return rel
+
+    def _release_worker(self, worker: WorkerRecord) -> None:
+        w = self.store.worker(worker.id)
+        if w and w.state == "relocating":
+            w.state = "running"
+            self.store.save_worker(w)
+
+    # -- phases ----------------------------------------------------------------------------
+    def _p_plan(self, rel: Relocation, w: WorkerRecord) -> dict:
+        if w.state not in ("running",):
+            raise PlanError(f"worker {w.id} is {w.state}, not running")
+        if w.node != rel.src:
+            raise PlanError(f"worker {w.id} runs on {w.node}, not {rel.src}")
+        if not rel.dst:
+            rel.dst = self.backend.pick_target(w)
+        if rel.dst == rel.src:
+            raise PlanError(f"worker {w.id} already runs on {rel.dst}")
+        mismatches = self.backend.compatible(w, rel.dst)
+        if mismatches:
+            raise PlanError(f"{rel.dst} cannot restore {w.id}: " + "; ".join(mismatches))
+        rel.src_cell, rel.src_endpoint, rel.src_reservation = w.cell_id, w.endpoint, w.reservation
+        rel.dst_cell = f"{w.id}-{rel.id}"
+        rel.image_dir = self.backend.image_dir(rel.src, rel.id)
+        rel.dst_image_dir = (rel.image_dir if rel.transfer == "shared"
+                             else self.backend.image_dir(rel.dst, rel.id))
+        w.state = "relocating"
+        self.store.save_worker(w)
+        return {"to": rel.dst}
+
+    def _p_reserve(self, rel: Relocation, w: WorkerRecord) -> dict:
+        rel.reservation = f"relocator-{w.id}-{rel.id}"
+        self._save(rel)
+        self.backend.reserve(w, rel.dst, rel.reservation)
+        return {"reservation": rel.reservation, "gpus": w.gpus}
+
+    def _p_hold(self, rel: Relocation, w: WorkerRecord) -> dict:
+        self.backend.hold(w.id)
+        return {}
+
+    def _p_dump(self, rel: Relocation, w: WorkerRecord) -> dict:
+        info = self.backend.dump(rel.src, rel.src_cell, rel.image_dir)
+        rel.image_bytes = int(info.get("bytes", 0))
+        self._fault(rel, "DUMP")
+        return info
+
+    def _p_transfer(self, rel: Relocation, w: WorkerRecord) -> dict:
+        if rel.transfer == "shared":
+            self._fault(rel, "TRANSFER")
+            return {"skipped": "shared storage"}
+        info = self.backend.transfer(rel.src, rel.dst, rel.image_dir, rel.dst_image_dir)
+        self._fault(rel, "TRANSFER")
+        return info
+
+    def _p_restore(self, rel: Relocation, w: WorkerRecord) -> dict:
+        info = self.backend.restore(rel.dst, rel.dst_image_dir, rel.dst_cell)
+        rel.dst_endpoint = info["endpoint"]
+        self._save(rel)
+        self._fault(rel, "RESTORE")
+        return info
+
+    def _p_switch(self, rel: Relocation, w: WorkerRecord) -> dict:
+        last: Exception | None = None
+        for attempt in range(self.switch_retries):
+            try:
+                info = self.backend.switch(w.id, rel.dst_endpoint)
+                break
+            except Exception as exc:  # noqa: BLE001
+                last = exc
+                time.sleep(0.2 * (attempt + 1))
+        else:
+            raise RelocationError(f"router switch failed: {last}")
+        w = self.store.worker(w.id) or w
+        w.node, w.cell_id, w.endpoint, w.reservation = rel.dst, rel.dst_cell, rel.dst_endpoint, rel.reservation
+        self.store.save_worker(w)
+        return {"moved_streams": info.get("moved_streams"), "released": info.get("released")}
+
+    def _p_release(self, rel: Relocation, w: WorkerRecord) -> dict:
+        self.backend.kill(rel.src, rel.src_cell)
+        if rel.src_reservation:
+            self.backend.free(rel.src_reservation)
+        self._cleanup_images(rel)
+        w = self.store.worker(w.id) or w
+        w.state = "running"
+        self.store.save_worker(w)
+        return {}
+
+    def _cleanup_images(self, rel: Relocation) -> None:
+        if self.keep_images:
+            return
+        for node, path in ((rel.src, rel.image_dir), (rel.dst, rel.dst_image_dir)):
+            if path and node:
+                try:
+                    self.backend.remove_image(node, path)
+                except Exception as exc:  # noqa: BLE001
+                    log.warning("could not remove image %s on %s: %s", path, node, exc)
+
+    # -- rollback & recovery ----------------------------------------------------------------
+    def rollback(self, rel: Relocation, failed_index: int) -> Relocation:
+        """Undo a relocation that failed (or was interrupted) in phase `failed_index` < SWITCH
+        (or in SWITCH itself): target copy killed, source resumed, router back, GPUs freed."""
+        t0 = time.monotonic()
+        steps: list[str] = []
+        errors: list[str] = []
+
+        def step(name: str, fn: Callable[[], Any]) -> None:
+            try:
+                fn()
+                steps.append(name)
+            except Exception as exc:  # noqa: BLE001 - continue undoing the rest
+                errors.append(f"{name}: {exc}")
+
+        if failed_index >= I_RESTORE and rel.dst_cell and rel.dst:
+            # never two live copies: the target copy goes before the source resumes
+            step("kill target copy", lambda: self.backend.kill(rel.dst, rel.dst_cell))
+        source_ok = True
+        if failed_index >= I_DUMP:
+            state = "absent"
+            try:
+                state = self.backend.cell_state(rel.src, rel.src_cell)
+            except Exception as exc:  # noqa: BLE001
+                errors.append(f"source state: {exc}")
+            if state == "stopped":
+                step("resume source", lambda: self.backend.resume(rel.src, rel.src_cell))
+            elif state != "running":
+                source_ok = False
+                errors.append(f"source cell {rel.src_cell} is {state}")
+            # streams cut during the freeze continue on the source; queued requests go there
+            step("router back to source", lambda: self.backend.switch(rel.worker, rel.src_endpoint))
+        elif failed_index >= I_HOLD:
+            step("release hold", lambda: self.backend.release(rel.worker))
+        serving_s = time.monotonic() - t0
+        if failed_index >= I_RESERVE and rel.reservation:
+            step("free reservation", lambda: self.backend.free(rel.reservation))
+        if rel.dst_image_dir and rel.dst_image_dir != rel.image_dir and rel.dst:
+            step("remove target image", lambda: self.backend.remove_image(rel.dst, rel.dst_image_dir))
+        if rel.image_dir and not self.keep_images and failed_index >= I_DUMP:
+            step("remove image", lambda: self.backend.remove_image(rel.src, rel.image_dir))
+        w = self.store.worker(rel.worker)
+        if w is not None:
+            w.node, w.cell_id, w.endpoint = rel.src, rel.src_cell or w.cell_id, rel.src_endpoint or w.endpoint
+            w.reservation = rel.src_reservation or w.reservation
+            w.state = "running" if source_ok else "failed"
+            self.store.save_worker(w)
+        rel.rollback = {"from_phase": PHASES[failed_index] if failed_index >= 0 else None,
+                        "source_serving_s": round(serving_s, 4),
+                        "seconds": round(time.monotonic() - t0, 4), "steps": steps, "errors": errors}
+        return self._finish(rel, ROLLED_BACK if source_ok else FAILED)
+
+    def recover(self, rel: Relocation) -> Relocation:
+        """Finish an open relocation found after a controller restart: from SWITCH on, roll
+        forward if the target copy runs; otherwise roll back. Never leaves two live copies."""
+        rel.recovered = True
+        idx = phase_index(rel.phase)
+        log.warning("recovering relocation %s (worker %s, phase %s)", rel.id, rel.worker, rel.phase)
+        if rel.phases and rel.phases[-1].get("ended") is None:
+            rel.phases[-1].update(ended=time.time(), ok=False, info={"interrupted": True})
+        if idx < 0:
+            return self._finish(rel, ROLLED_BACK)
+        if idx >= I_SWITCH:
+            state = "absent"
+            try:
+                state = self.backend.cell_state(rel.dst, rel.dst_cell)
+            except Exception as exc:  # noqa: BLE001
+                rel.error = f"target state: {exc}"
+            if state == "running":
+                w = self.store.worker(rel.worker)
+                if w is None:
+                    return self._finish(rel, FAILED)
+                for phase in PHASES[I_SWITCH:]:
+                    self._enter(rel, phase)
+                    try:
+                        info = getattr(self, "_p_" + phase.lower())(rel, w) or {}
+                    except Exception as exc:  # noqa: BLE001
+                        self._leave(rel, False, {"error": str(exc)})
+                        rel.error = f"{phase} (recovery): {exc}"
+                        if phase == "SWITCH":
+                            return self.rollback(rel, I_SWITCH)
+                        return self._finish(rel, DONE)
+                    self._leave(rel, True, info)
+                return self._finish(rel, DONE)
+            idx = I_SWITCH  # the target copy is gone: undo everything
+        if idx == 0:
+            self._release_worker_by_id(rel.worker)
+            return self._finish(rel, ROLLED_BACK)
+        return self.rollback(rel, idx)
+
+    def _release_worker_by_id(self, wid: str) -> None:
+        w = self.store.worker(wid)
+        if w:
+            self._release_worker(w)
+
+
+__all__ = ["Backend", "FaultInjected", "Machine", "PlanError", "RelocationError", "SimulatedCrash",
+           "RUNNING", "DONE", "ROLLED_BACK", "FAILED"]

@@ -1,0 +1,107 @@
+"""Records the controller keeps: workers, relocations and their phases (plain data, JSON-able)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# The eight phases of DESIGN.md, in order. Each is persisted before it starts.
+PHASES = ("PLAN", "RESERVE", "HOLD", "DUMP", "TRANSFER", "RESTORE", "SWITCH", "RELEASE")
+ROLLBACK_BEFORE = PHASES.index("SWITCH")  # a failure in a phase before SWITCH rolls back
+
+RUNNING, DONE, ROLLED_BACK, FAILED = "running", "done", "rolled_back", "failed"
+
+
+def phase_index(phase: str | None) -> int:
+    return PHASES.index(phase) if phase in PHASES else -1
+
+
+@dataclass
+class WorkerRecord:
+    id: str
+    model: str
+    node: str
+    gpus: int
+    engine: str = "vllm"
+    cell_id: str = ""
+    endpoint: str = ""
+    state: str = "starting"  # starting | running | relocating | failed | stopped
+    reservation: str = ""  # name of the placement group holding its GPUs
+    model_dir: str = ""
+    launch_s: float = 0.0
+    created_at: float = field(default_factory=time.time)
+    error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "WorkerRecord":
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass
+class PhaseTiming:
+    name: str
+    started: float
+    ended: float | None = None
+    ok: bool | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.ended is None else self.ended - self.started
+
+
+@dataclass
+class Relocation:
+    id: str
+    worker: str
+    src: str
+    dst: str | None = None
+    phase: str | None = None
+    result: str = RUNNING
+    error: str = ""
+    src_cell: str = ""
+    src_endpoint: str = ""
+    dst_cell: str = ""
+    dst_endpoint: str = ""
+    image_dir: str = ""
+    dst_image_dir: str = ""
+    image_bytes: int = 0
+    transfer: str = "shared"  # shared | stream
+    reservation: str = ""  # the target's reservation (placement group name)
+    src_reservation: str = ""
+    faults: dict[str, Any] = field(default_factory=dict)
+    phases: list[dict[str, Any]] = field(default_factory=list)
+    rollback: dict[str, Any] = field(default_factory=dict)
+    recovered: bool = False
+    created_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+
+    @staticmethod
+    def new_id() -> str:
+        return "r" + uuid.uuid4().hex[:8]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Relocation":
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+    def phase_seconds(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for p in self.phases:
+            if p.get("ended") is not None:
+                out[p["name"]] = round(p["ended"] - p["started"], 4)
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        return {"id": self.id, "worker": self.worker, "from": self.src, "to": self.dst,
+                "phase": self.phase, "result": self.result, "error": self.error,
+                "phases": self.phase_seconds(), "image_bytes": self.image_bytes,
+                "transfer": self.transfer, "rollback": self.rollback, "recovered": self.recovered,
+                "created_at": self.created_at, "finished_at": self.finished_at}
