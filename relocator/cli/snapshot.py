@@ -31,8 +31,8 @@ def _progress_cb(progress: Progress):
 
     def cb(step: str, frac: float | None) -> None:
         if step not in tasks:
-            for tid in tasks.values():
-                progress.update(tid, completed=100)
+            for tid in tasks.values():  # finish (and stop the clock of) earlier steps
+                progress.update(tid, total=100, completed=100)
             tasks[step] = progress.add_task(step, total=100 if frac is not None else None)
         if frac is not None:
             progress.update(tasks[step], completed=frac * 100)
