@@ -76,18 +76,24 @@ class _Trial:
             self.cluster.move(mv.workload, before.node, before.gpus)
 
 
-def _fits_after_removal(cluster: Cluster, w: Workload, node: int, slots: Sequence[int]) -> bool:
-    sl = cluster._slots
-    cpu = cluster.cpu_left[node] + sum(int(sl.cpu[s]) for s in slots)
-    mem = cluster.mem_left[node] + sum(int(sl.mem[s]) for s in slots)
-    if cpu < w.cpu_milli or mem < w.memory_mib:
+def _fits_after_removal(w: Workload, base: tuple[int, int, list[int]], items: Sequence[tuple[int, int, list[int]]]) -> bool:
+    """Would ``w`` fit on a node with free ``base`` = (cpu, mem, per-GPU milli) once the
+    workloads ``items`` (cpu, mem, per-GPU use) have left it? Plain Python: called in loops on
+    a handful of small lists."""
+    cpu = base[0] + sum(it[0] for it in items)
+    if cpu < w.cpu_milli:
+        return False
+    mem = base[1] + sum(it[1] for it in items)
+    if mem < w.memory_mib:
         return False
     if w.num_gpu == 0:
         return True
-    left = cluster.gpu_left[node].copy()
-    for s in slots:
-        left += sl.use[s]
-    return int((left >= w.gpu_milli).sum()) >= w.num_gpu
+    left = list(base[2])
+    for it in items:
+        for g, u in enumerate(it[2]):
+            if u:
+                left[g] += u
+    return sum(1 for x in left if x >= w.gpu_milli) >= w.num_gpu
 
 
 def defragment(
@@ -96,15 +102,17 @@ def defragment(
     max_moves: int = 2,
     policy: str | Policy = DEFAULT_POLICY,
     rng: np.random.Generator | None = None,
-    max_candidates: int = 48,
+    max_candidates: int = 16,
+    max_sets: int = 4000,
 ) -> Plan | None:
     """The cheapest set of moves of running workloads after which ``workload`` fits: fewest
     moves, then fewest bytes. Returns a plan with no moves if it fits already, ``None`` if no
-    plan within ``max_moves`` exists (among the ``max_candidates`` cheapest victim sets tried per
-    move count).
+    plan within ``max_moves`` exists (among the ``max_candidates`` cheapest victim sets, of at
+    most ``max_sets`` enumerated, per move count).
 
-    Moved workloads leave the target node and are placed by ``policy`` on another node where
-    they fit without further moves; ``workload`` is then placed on the target node."""
+    The moved workloads leave one target node, each going (by ``policy``) to another node where
+    it fits without further moves; ``workload`` is then placed on the target node. Each move is
+    valid on its own, in order."""
     pol = _policy(policy)
     direct = pol.select(cluster, workload, rng=rng)
     if direct is not None:
@@ -123,42 +131,76 @@ def defragment(
     if len(live) == 0:
         return None
 
+    movable: dict[int, bool] = {}
+
+    def can_leave(s: int) -> bool:
+        """Does the workload in slot ``s`` fit on some other node right now?"""
+        if s not in movable:
+            w = cluster._workloads[s]
+            assert w is not None
+            feas = cluster.feasible(w)
+            feas[int(sl.node[s])] = False
+            movable[s] = bool(feas.any())
+        return movable[s]
+
     # ---- one move, vectorised over all running workloads
     nodes = sl.node[live]
-    cpu_ok = cluster.cpu_left[nodes] + sl.cpu[live] >= workload.cpu_milli
-    mem_ok = cluster.mem_left[nodes] + sl.mem[live] >= workload.memory_mib
-    ok = cpu_ok & mem_ok
+    ok = (cluster.cpu_left[nodes] + sl.cpu[live] >= workload.cpu_milli) & (
+        cluster.mem_left[nodes] + sl.mem[live] >= workload.memory_mib
+    )
     if workload.num_gpu:
         left = cluster.gpu_left[nodes] + sl.use[live]
         ok &= (left >= workload.gpu_milli).sum(axis=1) >= workload.num_gpu
     cands1 = live[ok]
     if len(cands1):
         order = np.lexsort((cands1, sl.use[cands1].sum(axis=1), sl.nbytes[cands1]))
-        plan = _try_sets(cluster, workload, pol, rng, [[int(s)] for s in cands1[order][:max_candidates]])
+        sets: list[list[int]] = []
+        for s in cands1[order][: 4 * max_candidates].tolist():
+            if can_leave(s):
+                sets.append([s])
+                if len(sets) >= max_candidates:
+                    break
+        plan = _try_sets(cluster, workload, pol, rng, sets)
         if plan is not None:
             return plan
 
-    # ---- k >= 2 moves: enumerate sets per node, pruned by an optimistic bound
+    # ---- k >= 2 moves: enumerate minimal sets per node, pruned
+    if max_moves < 2:
+        return None
+    by_node: dict[int, list[int]] = {}
+    for s in live.tolist():
+        by_node.setdefault(int(sl.node[s]), []).append(s)
+    item = {s: (int(sl.cpu[s]), int(sl.mem[s]), sl.use[s].tolist()) for s in live.tolist()}
+    base = {n: (int(cluster.cpu_left[n]), int(cluster.mem_left[n]), cluster.gpu_left[n].tolist()) for n in by_node}
     for k in range(2, max_moves + 1):
-        by_node: dict[int, list[int]] = {}
-        for s in live:
-            by_node.setdefault(int(sl.node[s]), []).append(int(s))
-        sets: list[tuple[int, int, list[int]]] = []
+        sets3: list[tuple[int, int, list[int]]] = []
+        budget = max_sets
         for node, slots in by_node.items():
-            if len(slots) < k or not _fits_after_removal(cluster, workload, node, slots):
+            if len(slots) < k:
                 continue
+            b = base[node]
+            if not _fits_after_removal(workload, b, [item[s] for s in slots]):
+                continue
+            slots = [s for s in slots if can_leave(s)]
             for combo in itertools.combinations(slots, k):
-                if _fits_after_removal(cluster, workload, node, combo):
-                    # skip sets with a member that is not needed (a smaller set exists)
-                    if any(_fits_after_removal(cluster, workload, node, [c for c in combo if c != x]) for x in combo):
-                        continue
-                    cost = int(sum(int(sl.nbytes[c]) for c in combo))
-                    gm = int(sum(int(sl.use[c].sum()) for c in combo))
-                    sets.append((cost, gm, list(combo)))
-        if not sets:
+                budget -= 1
+                if budget < 0:
+                    break
+                its = [item[c] for c in combo]
+                if not _fits_after_removal(workload, b, its):
+                    continue
+                # minimal sets only: every member is needed
+                if any(_fits_after_removal(workload, b, its[:j] + its[j + 1 :]) for j in range(k)):
+                    continue
+                cost = sum(int(sl.nbytes[c]) for c in combo)
+                gm = sum(sum(item[c][2]) for c in combo)
+                sets3.append((cost, gm, list(combo)))
+            if budget < 0:
+                break
+        if not sets3:
             continue
-        sets.sort(key=lambda t: (t[0], t[1], t[2]))
-        plan = _try_sets(cluster, workload, pol, rng, [c for _, _, c in sets[:max_candidates]])
+        sets3.sort(key=lambda t: (t[0], t[1], t[2]))
+        plan = _try_sets(cluster, workload, pol, rng, [c for _, _, c in sets3[:max_candidates]])
         if plan is not None:
             return plan
     return None

@@ -130,6 +130,7 @@ def simulate(
     arr = np.zeros(len(seq), dtype=np.float64)
     alloc = np.zeros(len(seq), dtype=np.float64)
     failed = moves = moved_milli = 0
+    hopeless: dict[tuple, int] = {}
     step = max(1, len(seq) // 100)
     for i, tp in enumerate(seq):
         w = tp.workload
@@ -140,14 +141,20 @@ def simulate(
             used += w.total_gpu_milli
         elif relocate and (max_moves is None or moves < max_moves):
             budget = moves_per_pod if max_moves is None else min(moves_per_pod, max_moves - moves)
-            plan = defragment(cluster, w, max_moves=budget, policy=pol, rng=rng)
-            if plan is not None and plan.placement is not None:
-                apply_plan(cluster, plan, w)
-                used += w.total_gpu_milli
-                moves += plan.num_moves
-                moved_milli += plan.moved_gpu_milli
-            else:
+            key = (w.cpu_milli, w.memory_mib, w.num_gpu, w.gpu_milli, w.gpu_model, budget)
+            if hopeless.get(key) == cluster._clock:
+                # the same shape found no plan and nothing has changed since
                 failed += 1
+            else:
+                plan = defragment(cluster, w, max_moves=budget, policy=pol, rng=rng)
+                if plan is not None and plan.placement is not None:
+                    apply_plan(cluster, plan, w)
+                    used += w.total_gpu_milli
+                    moves += plan.num_moves
+                    moved_milli += plan.moved_gpu_milli
+                else:
+                    failed += 1
+                    hopeless[key] = cluster._clock
         else:
             failed += 1
         arr[i] = 100.0 * arrived / cap
