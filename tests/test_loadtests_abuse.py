@@ -1,0 +1,89 @@
+"""The abuse pass against a real router process (fake backend in its own process): no crash,
+no 5xx the router makes itself beyond the known one, fds back to baseline, in-flight 0."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from loadtests.abuse import AbuseConfig, listener_pid, loopback_target, proc_stats, run_abuse
+from relocator.router.bench import _free_port, _Proc, _wait_http
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+# Known router finding (reported, not yet fixed in relocator/router): a JSON body nested
+# ~100k levels deep makes json.loads raise RecursionError, which the router does not map to
+# 400, so aiohttp answers 500. The router survives it. Remove from here once fixed.
+KNOWN = {("malformed", "/v1/completions deep-nesting"),
+         ("malformed", "/v1/chat/completions deep-nesting"),
+         ("control", "add replica body #11")}
+
+
+@pytest.fixture
+async def router_proc():
+    py = sys.executable
+    bport, rport, cport = _free_port(), _free_port(), _free_port()
+    procs = [_Proc([py, "-m", "relocator.router.fakeserver", "--port", str(bport),
+                    "--model", "fake", "--tokens", "16"])]
+    try:
+        await _wait_http(f"http://127.0.0.1:{bport}/health")
+        env = dict(os.environ, RELOCATOR_ROUTER_CONTROL_PORT=str(cport))
+        procs.append(_Proc([py, "-m", "relocator", "router", "serve", "--host", "127.0.0.1",
+                            "--port", str(rport), "--backend", f"w1@fake=http://127.0.0.1:{bport}"],
+                           env=env))
+        await _wait_http(f"http://127.0.0.1:{rport}/health")
+        yield procs[-1], f"http://127.0.0.1:{rport}", f"http://127.0.0.1:{cport}"
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+async def test_loopback_only_and_proc_facts():
+    for bad in ("http://10.0.0.1:8000", "https://127.0.0.1:8000", "http://example.invalid:1"):
+        with pytest.raises((ValueError, OSError)):
+            loopback_target(bad)
+    assert loopback_target("http://localhost:9") [1] == 9
+    st = proc_stats(os.getpid())
+    assert st["fds"] > 0 and st["rss_mb"] > 0
+    assert proc_stats(2 ** 22 + 12345) is None
+
+
+async def test_abuse_pass(router_proc):
+    proc, api, ctl = router_proc
+    assert listener_pid(int(api.rsplit(":", 1)[1])) == proc.p.pid
+    rep = await asyncio.wait_for(run_abuse(AbuseConfig(
+        router=api, control=ctl, rounds=2, scale=0.5, slow_s=1.5, settle_s=8)), 120)
+    print(json.dumps(rep, indent=1)[:4000])
+    assert rep["pid"] == proc.p.pid and proc.p.poll() is None
+    assert rep["crashed"] is None
+    assert rep["leak"]["fds"] is False and rep["leak"]["fds_over_baseline"] <= 4
+    assert rep["leak"]["rss"] is False
+    assert rep["leak"]["in_flight_left"] == 0
+    unexpected = [f for f in rep["findings"] if (f["section"], f["case"]) not in KNOWN]
+    assert not unexpected
+    assert rep["cases"] > 200
+    assert rep["statuses"]["slow-probe"].get("200", 0) >= 3  # served while being abused
+    # and it still serves a normal stream afterwards
+    from loadtests import LoadConfig, run_load
+
+    lr = await run_load(LoadConfig(url=api, concurrency=4, requests=8, output_tokens=[8]))
+    assert lr.summary()["failed_requests"] == 0
+
+
+async def test_cli_abuse_json(router_proc):
+    proc, api, ctl = router_proc
+    p = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "relocator", "abuse", "--router", api, "--control", ctl,
+        "--rounds", "1", "--scale", "0.2", "--json",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(p.communicate(), 90)
+    d = json.loads(out)
+    assert d["crashed"] is None and d["pid"] == proc.p.pid
+    # exit 1 while the known deep-nesting 500 is there, 0 once fixed
+    assert p.returncode == (0 if d["ok"] else 1), err.decode()
+    assert proc.p.poll() is None
