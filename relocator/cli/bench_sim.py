@@ -43,7 +43,7 @@ def bench_sim(
     trace: Optional[Path] = typer.Option(None, "--trace", help="openb folder (default ../shared/data/openb or $RELOCATOR_OPENB_DIR)."),
     policy: str = typer.Option("random,dot-product,best-fit,fgd", "--policy", help="Policies, comma-separated."),
     seeds: str = typer.Option("42..51", "--seeds", help="Seeds (the reference uses 42..51)."),
-    moves_per_pod: int = typer.Option(2, "--moves-per-pod", help="Most moves to make room for one pod."),
+    moves_per_pod: int = typer.Option(1, "--moves-per-pod", help="Most moves to make room for one pod."),
     plot: Path = typer.Option(Path("docs/img/sim_alloc.png"), "--plot", help="Where to write the PNG."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object: results, validation."),
 ) -> None:

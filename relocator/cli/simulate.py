@@ -99,7 +99,7 @@ def simulate_cmd(
     seeds: str = typer.Option("42", "--seeds", help="Seeds: 42..51, 42,43 or 42."),
     tune: float = typer.Option(1.3, "--tune", help="Workload tuning ratio (arrived GPU demand / capacity)."),
     order: str = typer.Option("shuffle", "--order", help="Arrival order: shuffle (the authors' runs) or submission (creation_time)."),
-    moves_per_pod: int = typer.Option(2, "--moves-per-pod", help="Relocation: most moves to make room for one pod."),
+    moves_per_pod: int = typer.Option(1, "--moves-per-pod", help="Relocation: most moves to make room for one pod."),
     max_moves: Optional[int] = typer.Option(None, "--max-moves", help="Relocation: most moves in one run (default: no limit)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of allocation vs arrived load (seed means)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with means over the seeds."),
@@ -154,4 +154,4 @@ def print_table(results: list[dict], title: str = "unallocated GPUs (mean over s
             f"{r['moved_gpus']:.1f}",
             f"{r['failed_pods']:.0f}",
         )
-    Console().print(t)
+    Console(width=160).print(t)
