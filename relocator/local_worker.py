@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from adapters.base import EngineAdapter, LaunchSpec
+from relocator.paths import tail
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -38,10 +39,7 @@ class LocalWorker:
         return self.spec.served_model_name
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return tail(self.log_path, lines)
 
     async def wait_ready(self, timeout: float = 240.0) -> float:
         """Wait until the server serves; returns seconds since launch."""

@@ -18,3 +18,11 @@ def images_dir() -> Path:
 def net_dir() -> Path:
     """Machine-wide registry of network blocks: shared by every emulated node on one host."""
     return Path(os.environ.get("RELOCATOR_NET_DIR", "/run/relocator/net"))
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    """The last `lines` lines of a log file, or why it cannot be read."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(log unavailable: {exc})"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from relocator.cell import netns
-from relocator.paths import state_dir
+from relocator.paths import state_dir, tail
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,10 +55,7 @@ class Cell:
         return Path(f"/proc/{self.init_pid}/root/run/worker.log")
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError as exc:
-            return f"(log unavailable: {exc})"
+        return tail(self.log_path, lines)
 
     # -- process tree ---------------------------------------------------------------------
     def pids(self) -> list[int]:
