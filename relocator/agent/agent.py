@@ -1,0 +1,229 @@
+"""The node agent: one per node, owns that node's cells.
+
+`NodeAgent` is a plain class (tested directly); `start_agent` runs it as a named, detached Ray
+actor pinned to its node. Cells are not the agent's children: they are recorded under the
+node's state directory, and a restarted agent re-adopts every live one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterator
+
+NAMESPACE = "relocator"
+
+
+def agent_name(node: str) -> str:
+    return f"relocator-agent-{node}"
+
+
+class NodeAgent:
+    def __init__(self, node: str, state_dir: str, images_dir: str) -> None:
+        # One agent per process: the cell registry follows RELOCATOR_STATE_DIR.
+        os.environ["RELOCATOR_STATE_DIR"] = state_dir
+        self.node = node
+        self.state_dir = Path(state_dir)
+        self.images_dir = Path(images_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.images_dir.mkdir(parents=True, exist_ok=True)
+        self._locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
+        self._guard = threading.Lock()
+        self.started_at = time.time()
+        self.adopted = self._adopt()
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _lock(self, cell_id: str) -> threading.Lock:
+        with self._guard:
+            return self._locks[cell_id]
+
+    def _adopt(self) -> list[str]:
+        """Re-adopt the cells recorded on this node; forget records of dead ones."""
+        from relocator.cell.cell import list_cells
+
+        adopted = []
+        for cell in list_cells():
+            if cell.is_alive():
+                adopted.append(cell.id)
+            else:
+                cell.kill()  # removes the record and the network namespace
+        return adopted
+
+    @staticmethod
+    def _describe(cell) -> dict[str, Any]:
+        return {"id": cell.id, "endpoint": cell.endpoint, "alive": cell.is_alive(),
+                "stopped": cell.is_stopped(), "init_pid": cell.init_pid, "origin": cell.origin,
+                "model": cell.launch.get("served_model_name"), "created_at": cell.created_at}
+
+    # -- reporting --------------------------------------------------------------------------
+    def ping(self) -> dict[str, Any]:
+        return {"node": self.node, "pid": os.getpid(), "adopted": self.adopted,
+                "started_at": self.started_at, "state_dir": str(self.state_dir)}
+
+    def cells(self) -> list[dict[str, Any]]:
+        from relocator.cell.cell import list_cells
+
+        return [self._describe(c) for c in list_cells()]
+
+    def cell_state(self, cell_id: str) -> str:
+        """running | stopped | absent; waits for any operation in progress on the cell."""
+        from relocator.cell.cell import CellError, load_cell
+
+        with self._lock(cell_id):
+            try:
+                cell = load_cell(cell_id)
+            except CellError:
+                return "absent"
+            if not cell.is_alive():
+                return "absent"
+            return "stopped" if cell.is_stopped() else "running"
+
+    def host_fingerprint(self) -> dict:
+        from relocator.snapshot.fingerprint import host_fingerprint
+
+        return host_fingerprint().model_dump()
+
+    def worker_fingerprint(self, cell_id: str) -> dict:
+        from relocator.cell.cell import load_cell
+        from relocator.snapshot.fingerprint import Fingerprint, host_fingerprint
+        from relocator.snapshot.snapshot import engine_fingerprint_for
+
+        cell = load_cell(cell_id)
+        return Fingerprint(host=host_fingerprint(),
+                           engine=engine_fingerprint_for(cell.launch, cell.engine)).model_dump()
+
+    def compatible(self, fingerprint: dict) -> list[str]:
+        """Reasons this node cannot restore a worker with `fingerprint` (empty: it can)."""
+        from relocator.snapshot.fingerprint import Fingerprint, compatibility, host_fingerprint
+
+        fp = Fingerprint.model_validate(fingerprint)
+        target = Fingerprint(host=host_fingerprint(), engine=fp.engine)
+        return [str(m) for m in compatibility(fp, target)]
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def launch(self, cell_id: str, model_dir: str, served_name: str, port: int = 8000,
+               gpu_ids: list[int] | None = None, ready_timeout: float = 600.0,
+               extra: dict | None = None) -> dict[str, Any]:
+        from relocator.worker import default_spec, launch_worker, wait_ready
+
+        with self._lock(cell_id):
+            spec = default_spec(Path(model_dir), served_name, port)
+            for k, v in (extra or {}).items():
+                setattr(spec, k, v)
+            if gpu_ids is not None:
+                spec.env = {**spec.env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpu_ids))}
+            t0 = time.monotonic()
+            cell = launch_worker(spec, cell_id=cell_id)
+            try:
+                ready_s = asyncio.run(wait_ready(cell, timeout=ready_timeout))
+            except BaseException:
+                cell.kill()
+                raise
+            return {**self._describe(cell), "ready_s": round(ready_s, 3),
+                    "launch_s": round(time.monotonic() - t0, 3)}
+
+    def dump(self, cell_id: str, image_dir: str) -> dict[str, Any]:
+        from relocator.cell.cell import load_cell
+        from relocator.snapshot import dump
+
+        with self._lock(cell_id):
+            t0 = time.monotonic()
+            img = dump(load_cell(cell_id), Path(image_dir))
+            return {"image_dir": str(img.path), "bytes": img.bytes, "seconds": round(time.monotonic() - t0, 3),
+                    "timings": img.manifest.timings}
+
+    def resume(self, cell_id: str) -> None:
+        from relocator.cell.cell import load_cell
+        from relocator.snapshot import resume_source
+
+        with self._lock(cell_id):
+            cell = load_cell(cell_id)
+            if cell.is_stopped():
+                resume_source(cell)
+
+    def restore(self, image_dir: str, cell_id: str, ready_timeout: float = 120.0) -> dict[str, Any]:
+        from relocator.snapshot import RestoreTarget, restore
+        from relocator.worker import wait_ready
+
+        with self._lock(cell_id):
+            t0 = time.monotonic()
+            cell = restore(Path(image_dir), RestoreTarget(cell_id=cell_id))
+            restored = time.monotonic() - t0
+            try:
+                ready = asyncio.run(wait_ready(cell, timeout=ready_timeout, poll=0.05))
+            except BaseException:
+                cell.kill()
+                raise
+            return {**self._describe(cell), "criu_restore_s": round(restored, 3), "health_s": round(ready, 3),
+                    "seconds": round(time.monotonic() - t0, 3)}
+
+    def kill(self, cell_id: str) -> bool:
+        from relocator.cell.cell import CellError, load_cell
+
+        with self._lock(cell_id):
+            try:
+                cell = load_cell(cell_id)
+            except CellError:
+                return False
+            cell.kill()
+            return True
+
+    def kill_all(self) -> list[str]:
+        from relocator.cell.cell import list_cells
+
+        killed = []
+        for cell in list_cells():
+            with self._lock(cell.id):
+                cell.kill()
+                killed.append(cell.id)
+        return killed
+
+    # -- images ------------------------------------------------------------------------------
+    def image_dir(self, name: str) -> str:
+        return str(self.images_dir / name)
+
+    def remove_image(self, image_dir: str) -> None:
+        path = Path(image_dir).resolve()
+        if path.exists():
+            shutil.rmtree(path, ignore_errors=True)
+
+    def stream_image(self, image_dir: str, chunk_bytes: int = 8 << 20) -> Iterator[tuple]:
+        """Chunks of an image for a peer agent (a Ray streaming generator)."""
+        from relocator.agent.transfer import iter_chunks
+
+        yield from iter_chunks(image_dir, chunk_bytes)
+
+    def receive_image(self, src_node: str, src_image_dir: str, dst_image_dir: str,
+                      chunk_bytes: int = 8 << 20) -> dict[str, Any]:
+        """Pull an image from the agent of `src_node`, chunk by chunk, checksummed."""
+        import ray
+
+        from relocator.agent.transfer import receive_chunks
+
+        src = ray.get_actor(agent_name(src_node), namespace=NAMESPACE)
+        gen = src.stream_image.options(num_returns="streaming").remote(src_image_dir, chunk_bytes)
+
+        def chunks() -> Iterator[tuple]:
+            for ref in gen:
+                yield ray.get(ref)
+
+        return receive_chunks(chunks(), dst_image_dir)
+
+
+def start_agent(node: str, ray_node_id: str, state_dir: str, images_dir: str):
+    """The agent actor of `node`, created (pinned to its Ray node) or found by name."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    actor_cls = ray.remote(NodeAgent)
+    return actor_cls.options(
+        name=agent_name(node), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+        max_restarts=-1, max_concurrency=16, num_cpus=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_id, soft=False),
+        runtime_env={"env_vars": {"RELOCATOR_STATE_DIR": state_dir}},
+    ).remote(node, state_dir, images_dir)

@@ -1,0 +1,65 @@
+"""The local cluster's configuration: configs/local.yaml, validated, with RELOCATOR_* overrides."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_CONFIG = REPO / "configs" / "local.yaml"
+
+
+class ClusterSection(BaseModel):
+    nodes: int = Field(3, ge=1, le=16)
+    gpus_per_node: int = Field(4, ge=0, le=64)
+    cpus_per_node: int = Field(1, ge=0, le=64)
+    object_store_mb: int = Field(512, ge=78)
+    base_dir: str = "/var/lib/relocator/cluster"
+
+
+class RouterSection(BaseModel):
+    port: int = Field(0, ge=0, le=65535)
+    control_port: int = Field(0, ge=0, le=65535)
+    control_token: str | None = None
+
+
+class ControllerSection(BaseModel):
+    transfer: Literal["shared", "stream"] = "shared"
+    policy: str = "best-fit"
+    reconcile_interval_s: float = Field(2.0, gt=0)
+    keep_images: bool = False
+
+
+class LocalConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RELOCATOR_", env_nested_delimiter="__", extra="ignore")
+
+    cluster: ClusterSection = ClusterSection()
+    router: RouterSection = RouterSection()
+    controller: ControllerSection = ControllerSection()
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, **overrides: Any) -> "LocalConfig":
+        import yaml
+
+        data: dict[str, Any] = {}
+        p = Path(path) if path else DEFAULT_CONFIG
+        if path or p.exists():
+            data = yaml.safe_load(p.read_text()) or {}
+        # file < environment < explicit overrides (pydantic-settings would let init args beat
+        # the environment, so merge by hand)
+        env = cls()  # environment only
+        for section in ("cluster", "router", "controller"):
+            for key in getattr(env, section).model_fields_set:
+                data.setdefault(section, {})[key] = getattr(getattr(env, section), key)
+        for section, values in overrides.items():
+            data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
+        return cls(**data)
+
+
+def cluster_dir() -> Path:
+    """Where the running local cluster describes itself (cluster.json)."""
+    return Path(os.environ.get("RELOCATOR_CLUSTER_DIR", "/var/lib/relocator/cluster"))

@@ -1,0 +1,145 @@
+"""The process that owns a local cluster (started by `relocator up`, stopped by SIGTERM)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from relocator.cluster.config import REPO, LocalConfig
+from relocator.cluster.local import RAY_ENV, info_path
+
+log = logging.getLogger("relocator.cluster")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write(base: Path, info: dict) -> None:
+    tmp = base / "cluster.json.tmp"
+    tmp.write_text(json.dumps(info, indent=2))
+    os.replace(tmp, info_path(base))
+
+
+def _wait_http(url: str, timeout: float = 30.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=1).read()
+            return
+        except Exception:  # noqa: BLE001
+            time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer within {timeout:.0f}s")
+
+
+def node_name(i: int) -> str:
+    return f"n{i + 1}"
+
+
+def main(base: Path) -> int:
+    os.environ.update(RAY_ENV)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    cfg = LocalConfig.model_validate_json((base / "config.json").read_text())
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    cluster = router = None
+    info: dict = {"daemon_pid": os.getpid(), "base_dir": str(base)}
+    try:
+        import ray
+        from ray.cluster_utils import Cluster
+
+        t0 = time.monotonic()
+        c = cfg.cluster
+
+        def node_args(i: int) -> dict:
+            return {"num_cpus": c.cpus_per_node, "num_gpus": c.gpus_per_node,
+                    "resources": {f"relocator_node:{node_name(i)}": 1.0},
+                    "object_store_memory": c.object_store_mb << 20,
+                    "include_dashboard": False, "node_ip_address": "127.0.0.1"}
+
+        cluster = Cluster(initialize_head=True, head_node_args=node_args(0), shutdown_at_exit=True)
+        for i in range(1, c.nodes):
+            cluster.add_node(**node_args(i))
+        cluster.wait_for_nodes()
+        ray_s = time.monotonic() - t0
+        # the router
+        port = cfg.router.port or free_port()
+        control_port = cfg.router.control_port or free_port()
+        renv = {**os.environ, "PYTHONPATH": str(REPO), "RELOCATOR_ROUTER_CONTROL_PORT": str(control_port),
+                "RELOCATOR_ROUTER_CONTROL_HOST": "127.0.0.1"}
+        if cfg.router.control_token:
+            renv["RELOCATOR_ROUTER_CONTROL_TOKEN"] = cfg.router.control_token
+        rlog = open(base / "router.log", "ab")
+        router = subprocess.Popen([sys.executable, "-m", "relocator", "router", "serve", "--host", "127.0.0.1",
+                                   "--port", str(port)], cwd=REPO, env=renv, stdin=subprocess.DEVNULL,
+                                  stdout=rlog, stderr=subprocess.STDOUT)
+        router_url = f"http://127.0.0.1:{port}"
+        control_url = f"http://127.0.0.1:{control_port}"
+        _wait_http(router_url + "/health")
+        # the controller and its agents
+        from relocator.controller.controller import start_controller
+
+        ray.init(address=cluster.address, namespace="relocator", log_to_driver=False)
+        ctl = start_controller({
+            "base_dir": str(base), "router_url": router_url, "router_control_url": control_url,
+            "router_token": cfg.router.control_token, **cfg.controller.model_dump()})
+        ray.get(ctl.ping.remote(), timeout=120)
+        pids = [p.process.pid for n in cluster.list_all_nodes() for procs in n.all_processes.values()
+                for p in procs if p.process is not None] + [router.pid]
+        info.update({"address": cluster.address, "router_url": router_url, "router_control_url": control_url,
+                     "nodes": [node_name(i) for i in range(c.nodes)], "gpus_per_node": c.gpus_per_node,
+                     "pids": pids, "started_at": time.time(), "startup_s": round(time.monotonic() - t0, 3),
+                     "ray_startup_s": round(ray_s, 3)})
+        _write(base, info)
+        log.info("cluster up: %s", info)
+        while not stop.wait(1.0):
+            if router.poll() is not None:
+                log.error("router exited with %s; restarting it", router.returncode)
+                router = subprocess.Popen(router.args, cwd=REPO, env=renv, stdin=subprocess.DEVNULL,
+                                          stdout=rlog, stderr=subprocess.STDOUT)
+        log.info("stopping")
+        try:
+            log.info("controller shutdown: %s", ray.get(ctl.shutdown.remote(), timeout=120))
+        except Exception as exc:  # noqa: BLE001
+            log.error("controller shutdown failed: %s", exc)
+        return 0
+    except Exception as exc:  # noqa: BLE001
+        log.error("cluster failed: %s", traceback.format_exc())
+        info["error"] = f"{type(exc).__name__}: {exc}"
+        _write(base, info)
+        return 1
+    finally:
+        if router is not None and router.poll() is None:
+            router.terminate()
+            try:
+                router.wait(10)
+            except subprocess.TimeoutExpired:
+                router.kill()
+        try:
+            import ray
+
+            ray.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+        if cluster is not None:
+            cluster.shutdown()
+        if "error" not in info:
+            info_path(base).unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))

@@ -1,0 +1,140 @@
+"""A local multi-node Ray cluster on this machine: `up()` and `down()`.
+
+`up` starts one daemon process (`python -m relocator.cluster.daemon DIR`) that owns everything:
+the Ray head and extra raylets (each a "node" with fake GPUs and a `relocator_node:<name>`
+resource), the router (a subprocess), and the controller actor with its node agents. The daemon
+writes DIR/cluster.json once all of it is up. `down` asks the daemon to stop (it kills every
+worker cell, frees reservations, stops the router and the raylets) and falls back to killing the
+recorded processes itself if the daemon does not answer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from relocator.cluster.config import REPO, LocalConfig
+
+RAY_ENV = {
+    # Keep every Ray listener and node address on loopback (see notes/ray-on-one-machine.md).
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_DEDUP_LOGS": "0",
+}
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+def info_path(base_dir: str | Path) -> Path:
+    return Path(base_dir) / "cluster.json"
+
+
+def read_info(base_dir: str | Path) -> dict[str, Any] | None:
+    p = info_path(base_dir)
+    if not p.exists():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except ValueError:
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def up(config: LocalConfig | None = None, timeout: float = 120.0) -> dict[str, Any]:
+    """Start the local cluster described by `config`; returns cluster.json's content."""
+    config = config or LocalConfig.load()
+    base = Path(config.cluster.base_dir)
+    info = read_info(base)
+    if info and _alive(info.get("daemon_pid", -1)):
+        raise ClusterError(f"a cluster is already running from {base} (daemon pid {info['daemon_pid']}); "
+                           "`relocator down` first")
+    base.mkdir(parents=True, exist_ok=True)
+    info_path(base).unlink(missing_ok=True)
+    for stale in base.glob("controller.db*"):  # a new cluster starts with an empty inventory
+        stale.unlink()
+    (base / "config.json").write_text(config.model_dump_json(indent=2))
+    log = open(base / "daemon.log", "ab")
+    env = {**os.environ, **RAY_ENV, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "relocator.cluster.daemon", str(base)], cwd=REPO, env=env,
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = read_info(base)
+        if info and info.get("daemon_pid") == proc.pid:
+            if info.get("error"):
+                proc.wait(30)
+                raise ClusterError(f"cluster failed to start: {info['error']}")
+            return info
+        if proc.poll() is not None:
+            tail = (base / "daemon.log").read_text(errors="replace")[-3000:]
+            raise ClusterError(f"cluster daemon exited with {proc.returncode}:\n{tail}")
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    raise ClusterError(f"cluster not up after {timeout:.0f}s; see {base / 'daemon.log'}")
+
+
+def down(base_dir: str | Path | None = None, timeout: float = 90.0) -> dict[str, Any]:
+    """Stop the cluster started from `base_dir`; returns what was stopped."""
+    from relocator.cluster.config import cluster_dir
+
+    base = Path(base_dir) if base_dir else cluster_dir()
+    info = read_info(base)
+    if info is None:
+        return {"stopped": False, "reason": f"no cluster running from {base}"}
+    pid = int(info.get("daemon_pid", -1))
+    out: dict[str, Any] = {"stopped": True, "daemon_pid": pid, "forced": []}
+    if _alive(pid):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    # Whatever is still there (daemon killed hard, or it hung): processes it recorded.
+    for p in [pid, *info.get("pids", [])]:
+        if _alive(p):
+            try:
+                os.kill(p, signal.SIGKILL)
+                out["forced"].append(p)
+            except ProcessLookupError:
+                pass
+    out["cells_killed"] = _kill_leftover_cells(base)
+    info_path(base).unlink(missing_ok=True)
+    return out
+
+
+def _kill_leftover_cells(base: Path) -> list[str]:
+    """Cells recorded under any node's state dir (normally none: the daemon kills them)."""
+    from relocator.cell.cell import list_cells
+
+    killed = []
+    for state in sorted((base / "nodes").glob("*/state")):
+        old = os.environ.get("RELOCATOR_STATE_DIR")
+        os.environ["RELOCATOR_STATE_DIR"] = str(state)
+        try:
+            for cell in list_cells():
+                cell.kill()
+                killed.append(cell.id)
+        finally:
+            if old is None:
+                os.environ.pop("RELOCATOR_STATE_DIR", None)
+            else:
+                os.environ["RELOCATOR_STATE_DIR"] = old
+    return killed

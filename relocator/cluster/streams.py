@@ -1,0 +1,191 @@
+"""Greedy streaming clients for relocation runs: reference outputs, closed-loop load through
+the router, and the figures a relocation is judged by (longest pause each client saw, tokens
+lost / duplicated / mismatched against the reference, client errors).
+
+Self-contained (aiohttp only) so the demo, the benchmark and the tests measure the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+PROMPTS = [
+    "the cluster node", "a worker moves to a new", "red river mountain light and",
+    "once upon a time the", "seven quiet servers in a", "move the running job without",
+    "tokens flow through the router", "the frozen process wakes on",
+    "a scheduler that cannot move", "green fields under the morning",
+]
+
+
+@dataclass
+class RequestResult:
+    client: int
+    prompt: int
+    tokens: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # send time, then one per token event
+    error: str = ""
+    finish_reason: str | None = None
+
+    def gaps(self) -> list[tuple[float, float]]:
+        """(start, end) of every wait: send → first token, then between token events."""
+        return list(zip(self.times, self.times[1:]))
+
+
+async def stream_once(session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int,
+                      client: int = 0, prompt_idx: int = 0, timeout: float = 300.0) -> RequestResult:
+    res = RequestResult(client, prompt_idx)
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "return_token_ids": True, "ignore_eos": True}
+    res.times.append(time.monotonic())
+    done = False
+    try:
+        async with session.post(f"{url}/v1/completions", json=body,
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            if r.status != 200:
+                res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
+                return res
+            buf = b""
+            async for chunk in r.content.iter_any():
+                buf += chunk
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    for line in event.split(b"\n"):
+                        if not line.startswith(b"data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            done = True
+                            continue
+                        obj = json.loads(data)
+                        if "error" in obj:
+                            res.error = f"error event: {obj['error']}"
+                            continue
+                        for ch in obj.get("choices", []):
+                            ids = ch.get("token_ids") or []
+                            if ids:
+                                res.tokens.extend(ids)
+                                res.times.append(time.monotonic())
+                            if ch.get("finish_reason"):
+                                res.finish_reason = ch["finish_reason"]
+        if not done and not res.error:
+            res.error = "stream ended without [DONE]"
+    except Exception as exc:  # noqa: BLE001 - a client error is a result
+        res.error = f"{type(exc).__name__}: {exc}"
+    return res
+
+
+async def reference(url: str, model: str, max_tokens: int, n_prompts: int, concurrency: int = 8) -> dict[int, list[int]]:
+    """Each prompt once, streamed with the same parameters as the load, no relocation."""
+    sem = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession() as s:
+        async def one(i: int) -> RequestResult:
+            async with sem:
+                return await stream_once(s, url, model, PROMPTS[i % len(PROMPTS)], max_tokens, prompt_idx=i)
+
+        results = await asyncio.gather(*(one(i) for i in range(n_prompts)))
+    bad = [r.error for r in results if r.error]
+    if bad:
+        raise RuntimeError(f"reference run failed: {bad[0]}")
+    return {r.prompt: r.tokens for r in results}
+
+
+def compare(expected: list[int], got: list[int]) -> dict[str, int]:
+    n = min(len(expected), len(got))
+    mismatched = sum(1 for a, b in zip(expected[:n], got[:n]) if a != b)
+    return {"lost": max(0, len(expected) - len(got)), "duplicated": max(0, len(got) - len(expected)),
+            "mismatched": mismatched}
+
+
+class Load:
+    """`concurrency` clients, each streaming its own prompt again and again until stopped.
+    Runs its own event loop on a thread, so sync code (CLI, tests, actors) can drive it."""
+
+    def __init__(self, url: str, model: str, ref: dict[int, list[int]], max_tokens: int,
+                 concurrency: int = 8) -> None:
+        self.url, self.model, self.ref = url, model, ref
+        self.max_tokens, self.concurrency = max_tokens, concurrency
+        self.results: list[RequestResult] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.started = 0.0
+
+    def start(self) -> "Load":
+        self.started = time.monotonic()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+        self._thread.start()
+        return self
+
+    def in_flight(self) -> int:
+        return sum(1 for r in list(self.results) if r.finish_reason is None and not r.error)
+
+    async def _main(self) -> None:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            async def client(c: int) -> None:
+                while not self._stop.is_set():
+                    res_task = asyncio.ensure_future(stream_once(
+                        s, self.url, self.model, PROMPTS[c % len(PROMPTS)], self.max_tokens, client=c,
+                        prompt_idx=c % len(self.ref)))
+                    res = await res_task
+                    self.results.append(res)
+                    if res.error:
+                        await asyncio.sleep(0.2)
+
+            await asyncio.gather(*(client(c) for c in range(self.concurrency)))
+
+    def stop(self, timeout: float = 300.0) -> None:
+        """Let every stream in flight finish, then stop."""
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout)
+
+    def report(self, window: tuple[float, float] | None = None) -> dict[str, Any]:
+        """Figures over every completed request; `window` (monotonic start, end) of the
+        relocation: `blackout_max_s` is the longest wait any client saw overlapping it."""
+        totals = {"lost": 0, "duplicated": 0, "mismatched": 0}
+        errors: list[str] = []
+        clients: dict[int, dict[str, Any]] = {}
+        blackout = 0.0
+        for r in self.results:
+            c = clients.setdefault(r.client, {"client": r.client, "requests": 0, "tokens": 0, "max_gap_s": 0.0,
+                                              "errors": 0, "verified": 0})
+            c["requests"] += 1
+            c["tokens"] += len(r.tokens)
+            if r.error:
+                c["errors"] += 1
+                errors.append(r.error)
+                continue
+            diff = compare(self.ref[r.prompt], r.tokens)
+            for k in totals:
+                totals[k] += diff[k]
+            if not any(diff.values()):
+                c["verified"] += 1
+            for a, b in r.gaps():
+                c["max_gap_s"] = max(c["max_gap_s"], b - a)
+                if window and a <= window[1] and b >= window[0]:
+                    blackout = max(blackout, b - a)
+        for c in clients.values():
+            c["max_gap_s"] = round(c["max_gap_s"], 4)
+        return {"requests": len(self.results), "tokens": sum(len(r.tokens) for r in self.results),
+                "tokens_lost": totals["lost"], "tokens_duplicated": totals["duplicated"],
+                "tokens_mismatched": totals["mismatched"], "client_errors": len(errors),
+                "errors": errors[:5], "blackout_max_s": round(blackout, 4),
+                "clients": [clients[k] for k in sorted(clients)]}
+
+
+def first_token_s(url: str, model: str, timeout: float = 60.0) -> float:
+    """Seconds from sending a request to its first token (cold-start measurements)."""
+    async def go() -> float:
+        async with aiohttp.ClientSession() as s:
+            r = await stream_once(s, url, model, PROMPTS[0], 4, timeout=timeout)
+            if r.error or len(r.times) < 2:
+                raise RuntimeError(f"no first token from {url}: {r.error}")
+            return r.times[1] - r.times[0]
+
+    return asyncio.run(go())

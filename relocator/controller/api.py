@@ -1,0 +1,114 @@
+"""Embedding entry points: `relocator.connect()` and `relocator.start()`.
+
+    import relocator
+    ctl = relocator.start(nodes=2, gpus_per_node=4)      # or relocator.connect()
+    w = ctl.launch("tiny-llama", gpus=2)
+    print(ctl.relocate(w["id"]))                          # phases with timings
+    ctl.down()
+"""
+
+from __future__ import annotations
+
+import os
+
+# Ray reads this when it is first imported: keep every node and listener on loopback.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+from pathlib import Path
+from typing import Any
+
+from relocator.agent.agent import NAMESPACE
+from relocator.controller.controller import CONTROLLER_NAME
+
+
+class ControllerClient:
+    """Blocking calls on the controller actor."""
+
+    def __init__(self, handle: Any, info: dict[str, Any] | None = None) -> None:
+        self.handle = handle
+        self.info = info or {}
+
+    def _call(self, method: str, *args: Any, timeout: float | None = 900, **kw: Any) -> Any:
+        import ray
+
+        return ray.get(getattr(self.handle, method).remote(*args, **kw), timeout=timeout)
+
+    @property
+    def router_url(self) -> str | None:
+        return self.info.get("router_url")
+
+    def status(self) -> dict:
+        return self._call("status", timeout=60)
+
+    def launch(self, model: str = "tiny-llama", gpus: int = 1, node: str | None = None,
+               worker_id: str | None = None) -> dict:
+        return self._call("launch", model, gpus, node, worker_id)
+
+    def relocate(self, worker: str, to: str | None = None, transfer: str | None = None,
+                 faults: dict | None = None, wait: bool = True) -> dict:
+        return self._call("relocate", worker, to, transfer, faults, wait)
+
+    def wait_relocation(self, relocation_id: str, timeout: float = 900) -> dict:
+        return self._call("wait_relocation", relocation_id, timeout, timeout=timeout + 30)
+
+    def get_relocation(self, relocation_id: str) -> dict | None:
+        return self._call("get_relocation", relocation_id, timeout=60)
+
+    def drain(self, node: str, parallel: int = 1, transfer: str | None = None) -> dict:
+        return self._call("drain", node, parallel, transfer, timeout=3600)
+
+    def stop_worker(self, worker: str) -> dict:
+        return self._call("stop_worker", worker)
+
+    def cells(self) -> dict:
+        return self._call("cells", timeout=120)
+
+    def ping(self) -> dict:
+        return self._call("ping", timeout=60)
+
+    def down(self) -> dict:
+        from relocator.cluster.local import down
+
+        base = self.info.get("base_dir")
+        try:
+            import ray
+
+            ray.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+        return down(base)
+
+
+def connect(base_dir: str | Path | None = None, address: str | None = None) -> ControllerClient:
+    """Attach to a running cluster: the one `relocator up` started from `base_dir` (default
+    $RELOCATOR_CLUSTER_DIR or /var/lib/relocator/cluster), or a Ray cluster at `address`
+    where the controller already runs."""
+    import ray
+
+    from relocator.cluster.config import cluster_dir
+    from relocator.cluster.local import RAY_ENV, read_info
+
+    info: dict[str, Any] = {}
+    if address is None:
+        base = Path(base_dir) if base_dir else cluster_dir()
+        info = read_info(base) or {}
+        if not info.get("address"):
+            raise RuntimeError(f"no local cluster running from {base} (run `relocator up`)")
+        address = info["address"]
+    for k, v in RAY_ENV.items():
+        os.environ.setdefault(k, v)
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="error")
+    handle = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+    return ControllerClient(handle, info)
+
+
+def start(config: Any = None, **cluster: Any) -> ControllerClient:
+    """Start a local cluster (configs/local.yaml, overridden by `cluster` keys such as
+    nodes=2, gpus_per_node=4, base_dir=...) and connect to its controller."""
+    from relocator.cluster.config import LocalConfig
+    from relocator.cluster.local import up
+
+    if not isinstance(config, LocalConfig):
+        config = LocalConfig.load(config, cluster=cluster)
+    info = up(config)
+    return connect(info["base_dir"])

@@ -1,0 +1,72 @@
+"""Nodes and their GPUs as Ray sees them, and where a worker should go.
+
+Emulated nodes carry a custom resource `relocator_node:<name>`; GPUs are Ray's `GPU` resource
+(fake counts on machines without GPUs). Free GPUs are what Ray has not reserved: every worker
+and every relocation target holds its GPUs through a placement group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NODE_RESOURCE = "relocator_node:"
+
+
+@dataclass
+class NodeInfo:
+    id: str
+    ray_node_id: str
+    gpus_total: int
+    gpus_free: int
+    alive: bool = True
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "ray_node_id": self.ray_node_id, "gpus_total": self.gpus_total,
+                "gpus_free": self.gpus_free, "alive": self.alive}
+
+
+def ray_nodes() -> dict[str, NodeInfo]:
+    """The relocator nodes of the connected Ray cluster, by name."""
+    import ray
+    from ray._private import state
+
+    avail = {}
+    try:
+        avail = state.available_resources_per_node()
+    except Exception:  # noqa: BLE001 - older/newer Ray: fall back to totals
+        pass
+    out: dict[str, NodeInfo] = {}
+    for n in ray.nodes():
+        names = [k[len(NODE_RESOURCE):] for k in n.get("Resources", {}) if k.startswith(NODE_RESOURCE)]
+        if not names:
+            continue
+        total = int(n["Resources"].get("GPU", 0))
+        free = int(avail.get(n["NodeID"], {}).get("GPU", total)) if n["Alive"] else 0
+        out[names[0]] = NodeInfo(names[0], n["NodeID"], total, free, bool(n["Alive"]))
+    return dict(sorted(out.items()))
+
+
+def best_fit(free: dict[str, int], gpus: int, exclude: tuple[str, ...] = (), totals: dict[str, int] | None = None,
+             policy: str = "best-fit") -> str | None:
+    """The node to put a `gpus`-GPU worker on: the planner's policy when it can answer, else
+    plain best-fit (fewest GPUs left over, ties by name)."""
+    candidates = {n: f for n, f in free.items() if n not in exclude and f >= gpus}
+    if not candidates:
+        return None
+    if totals:
+        try:
+            from relocator import planner
+
+            nodes = [planner.NodeSpec(n, 10**6, 10**7, totals[n]) for n in sorted(free)]
+            cluster = planner.Cluster(nodes)
+            for n in sorted(free):
+                used = totals[n] - free[n]
+                if used > 0:
+                    cluster.add(planner.Workload(f"_used_{n}", num_gpu=used, gpu_milli=1000), n)
+            placement = planner.place(cluster, planner.Workload("_new", num_gpu=gpus, gpu_milli=1000),
+                                      policy=policy, exclude=tuple(exclude))
+            if placement is not None and placement.node in candidates:
+                return placement.node
+        except Exception:  # noqa: BLE001 - the planner is optional here
+            pass
+    return min(candidates, key=lambda n: (candidates[n] - gpus, n))
