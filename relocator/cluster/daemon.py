@@ -94,6 +94,10 @@ def main(base: Path) -> int:
         from relocator.controller.controller import start_controller
 
         ray.init(address=cluster.address, namespace="relocator", log_to_driver=False)
+        # ray.init installs its own SIGTERM handler (exit at once): put ours back, so that a
+        # stop kills the workers and frees their reservations before the raylets go.
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
         ctl = start_controller({
             "base_dir": str(base), "router_url": router_url, "router_control_url": control_url,
             "router_token": cfg.router.control_token, **cfg.controller.model_dump()})
