@@ -22,7 +22,7 @@ async def test_token_check_real_vllm_through_switch(vllm_server, tmp_path):
     srv = await RouterServer(RouterSettings(port=0, control_port=0, hold_timeout_s=30, backends=[
         BackendConfig(model=w.model, url=w.base_url, worker_id="w0")])).start()
     try:
-        cfg = LoadConfig(url=srv.url, model=w.model, concurrency=4, requests=16,
+        cfg = LoadConfig(url=srv.url, model=w.model, concurrency=4, requests=24,
                          prompt_words=[4, 16], output_tokens=[48, 96], distinct=6, seed=2,
                          greedy_fraction=0.8)
         ref = await make_reference(cfg, url=w.base_url)
@@ -30,13 +30,19 @@ async def test_token_check_real_vllm_through_switch(vllm_server, tmp_path):
         task = asyncio.create_task(run_load(cfg))
         moved = 0
         phases = []
-        for _ in range(2):
-            await asyncio.sleep(0.8)
-            a = time.time()
-            async with RouterControl(srv.control_url) as rc:
+        async with RouterControl(srv.control_url) as rc:
+            for _ in range(3):
+                await asyncio.sleep(0.3)
+                for _ in range(200):  # switch only while streams are in flight
+                    if task.done() or srv.table.get("w0").in_flight:
+                        break
+                    await asyncio.sleep(0.01)
+                if task.done():
+                    break
+                a = time.time()
                 await rc.hold("w0")
                 moved += (await rc.switch("w0", w.base_url))["moved_streams"]
-            phases.append(("switch", a, time.time()))
+                phases.append(("switch", a, time.time()))
         rep = await asyncio.wait_for(task, 240)
         tc = check_tokens(rep, ref)
         s = rep.summary()
