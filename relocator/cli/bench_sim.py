@@ -43,7 +43,8 @@ def bench_sim(
     trace: Optional[Path] = typer.Option(None, "--trace", help="openb folder (default ../shared/data/openb or $RELOCATOR_OPENB_DIR)."),
     policy: str = typer.Option("random,dot-product,best-fit,fgd", "--policy", help="Policies, comma-separated."),
     seeds: str = typer.Option("42..51", "--seeds", help="Seeds (the reference uses 42..51)."),
-    moves_per_pod: int = typer.Option(1, "--moves-per-pod", help="Most moves to make room for one pod."),
+    moves_per_pod: int = typer.Option(4, "--moves-per-pod", help="Most moves to make room for one pod."),
+    min_gain: int = typer.Option(1000, "--min-gain", help="Milli-GPU a pod must bring per move (1000: at most one move per GPU placed)."),
     plot: Path = typer.Option(Path("docs/img/sim_alloc.png"), "--plot", help="Where to write the PNG."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object: results, validation."),
 ) -> None:
@@ -63,7 +64,7 @@ def bench_sim(
         reference = load_reference(tdir / REFERENCE_FILE)
     except TraceError as exc:
         raise fail(str(exc)) from None
-    out = run_with_progress(nodes, pods, policies, seed_list, True, 1.3, "shuffle", moves_per_pod, None, quiet=False)
+    out = run_with_progress(nodes, pods, policies, seed_list, True, 1.3, "shuffle", moves_per_pod, None, quiet=False, min_gain=min_gain)
     results = [agg for agg, _ in out]
     validation = compare(results, reference)
     plot_allocation(out, plot)
@@ -80,6 +81,15 @@ def bench_sim(
             )
         typer.echo("simulator validated (FGD and best-fit within 5%)" if passed else "simulator NOT validated")
         print_table(results, "with and without relocation (mean over seeds)")
+        plain = {r["policy"]: r for r in results if not r["relocate"]}
+        for r in results:
+            if r["relocate"] and r["policy"] in plain:
+                won = plain[r["policy"]]["unalloc_gpus_at_130"] - r["unalloc_gpus_at_130"]
+                per = f"{r['moves'] / won:.2f} moves per GPU won back" if won > 0 else "no GPU won back"
+                typer.echo(
+                    f"  {r['policy']:<12} +moves: {won:+.1f} GPUs at 130% with {r['moves']:.1f} moves ({per});"
+                    f" lower bound for any packing of its pods: {r['lower_bound_unalloc_gpus']:.1f} unallocated GPUs"
+                )
         typer.echo(f"plot: {plot}")
     if not passed:
         raise typer.Exit(1)

@@ -53,7 +53,7 @@ def load_inputs(trace: Optional[Path], pods: Optional[Path]):
         raise fail(str(exc)) from None
 
 
-def run_with_progress(nodes, pods, policies, seeds, relocate, tune, order, moves_per_pod, max_moves, quiet: bool):
+def run_with_progress(nodes, pods, policies, seeds, relocate, tune, order, moves_per_pod, max_moves, quiet: bool, min_gain: int = 0):
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -85,7 +85,7 @@ def run_with_progress(nodes, pods, policies, seeds, relocate, tune, order, moves
         def progress(done: int, total: int) -> None:
             prog.update(pods_task, completed=done, total=total)
 
-        out = run_many(nodes, pods, policies, seeds, relocate, tune, order, moves_per_pod, max_moves, on_run, progress)
+        out = run_many(nodes, pods, policies, seeds, relocate, tune, order, moves_per_pod, max_moves, on_run, progress, min_gain)
         prog.advance(runs)
     return out
 
@@ -99,8 +99,9 @@ def simulate_cmd(
     seeds: str = typer.Option("42", "--seeds", help="Seeds: 42..51, 42,43 or 42."),
     tune: float = typer.Option(1.3, "--tune", help="Workload tuning ratio (arrived GPU demand / capacity)."),
     order: str = typer.Option("shuffle", "--order", help="Arrival order: shuffle (the authors' runs) or submission (creation_time)."),
-    moves_per_pod: int = typer.Option(1, "--moves-per-pod", help="Relocation: most moves to make room for one pod."),
+    moves_per_pod: int = typer.Option(4, "--moves-per-pod", help="Relocation: most moves to make room for one pod."),
     max_moves: Optional[int] = typer.Option(None, "--max-moves", help="Relocation: most moves in one run (default: no limit)."),
+    min_gain: int = typer.Option(1000, "--min-gain", help="Relocation: milli-GPU a pod must bring per move (1000: at most one move per GPU placed; 0: no limit)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of allocation vs arrived load (seed means)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with means over the seeds."),
 ) -> None:
@@ -117,10 +118,10 @@ def simulate_cmd(
         raise fail("no policy given")
     if order not in ("shuffle", "submission"):
         raise fail("--order must be shuffle or submission")
-    if tune < 0 or moves_per_pod < 0 or (max_moves is not None and max_moves < 0):
-        raise fail("--tune, --moves-per-pod and --max-moves must not be negative")
+    if tune < 0 or moves_per_pod < 0 or min_gain < 0 or (max_moves is not None and max_moves < 0):
+        raise fail("--tune, --moves-per-pod, --min-gain and --max-moves must not be negative")
     _, nodes, pod_list = load_inputs(trace, pods)
-    out = run_with_progress(nodes, pod_list, policies, seed_list, relocate, tune, order, moves_per_pod, max_moves, quiet=False)
+    out = run_with_progress(nodes, pod_list, policies, seed_list, relocate, tune, order, moves_per_pod, max_moves, quiet=False, min_gain=min_gain)
     results = [agg for agg, _ in out]
     if plot is not None:
         from relocator.sim.plot import plot_allocation
@@ -139,7 +140,7 @@ def print_table(results: list[dict], title: str = "unallocated GPUs (mean over s
     from rich.table import Table
 
     t = Table(title=title)
-    for col in ("policy", "moves?", "unalloc@100%", "unalloc@130%", "alloc%@100", "alloc%@130", "frag%", "moves", "GPUs moved", "failed pods"):
+    for col in ("policy", "moves?", "unalloc@100%", "unalloc@130%", "alloc%@100", "alloc%@130", "frag%", "bound@end", "moves", "GPUs moved", "failed pods"):
         t.add_column(col, justify="right" if col not in ("policy", "moves?") else "left")
     for r in results:
         t.add_row(
@@ -150,6 +151,7 @@ def print_table(results: list[dict], title: str = "unallocated GPUs (mean over s
             f"{r['alloc_pct_at_100']:.2f}",
             f"{r['alloc_pct_at_130']:.2f}",
             f"{r['frag_pct_at_end']:.2f}",
+            f"{r.get('lower_bound_unalloc_gpus', 0.0):.1f}",
             f"{r['moves']:.0f}",
             f"{r['moved_gpus']:.1f}",
             f"{r['failed_pods']:.0f}",

@@ -7,12 +7,11 @@ step, each step checked, so that no node is ever over capacity.
 
 from __future__ import annotations
 
-import itertools
 from typing import Sequence
 
 import numpy as np
 
-from relocator.planner.cluster import Cluster, Move, Placement, Plan, PlannerError, Workload
+from relocator.planner.cluster import MILLI, Cluster, Move, Placement, Plan, PlannerError, Workload
 from relocator.planner.policies import Policy, get_policy
 
 DEFAULT_POLICY = "fgd"
@@ -104,15 +103,20 @@ def defragment(
     rng: np.random.Generator | None = None,
     max_candidates: int = 16,
     max_sets: int = 4000,
+    victim_policy: str | Policy | None = "best-fit",
 ) -> Plan | None:
     """The cheapest set of moves of running workloads after which ``workload`` fits: fewest
     moves, then fewest bytes. Returns a plan with no moves if it fits already, ``None`` if no
-    plan within ``max_moves`` exists (among the ``max_candidates`` cheapest victim sets, of at
-    most ``max_sets`` enumerated, per move count).
+    plan within ``max_moves`` exists (among the ``max_candidates`` cheapest victim sets).
 
-    The moved workloads leave one target node, each going (by ``policy``) to another node where
-    it fits without further moves; ``workload`` is then placed on the target node. Each move is
-    valid on its own, in order."""
+    One move: every running workload whose departure would make room is considered at once
+    (vectorised). Two or more: :func:`victim_sets` picks, per node, the fewest workloads that
+    clear enough GPU share, CPU and memory, nodes visited by a vectorised lower bound.
+    The moved workloads leave one target node, each going (by ``victim_policy``, default
+    best-fit: the fullest GPU that still fits, i.e. into other GPUs' slivers; ``None``: by
+    ``policy``) to another node where it fits without further moves; ``workload`` is then placed
+    on the target node by ``policy``. Each move is valid on its own, in order. ``max_sets`` is
+    kept for compatibility (unused)."""
     pol = _policy(policy)
     direct = pol.select(cluster, workload, rng=rng)
     if direct is not None:
@@ -160,55 +164,169 @@ def defragment(
                 sets.append([s])
                 if len(sets) >= max_candidates:
                     break
-        plan = _try_sets(cluster, workload, pol, rng, sets)
+        plan = _try_sets(cluster, workload, pol, rng, sets, victim_policy=victim_policy)
         if plan is not None:
             return plan
 
-    # ---- k >= 2 moves: enumerate minimal sets per node, pruned
+    # ---- k >= 2 moves: per node, the fewest victims that clear enough GPU, CPU and memory
     if max_moves < 2:
         return None
-    by_node: dict[int, list[int]] = {}
-    for s in live.tolist():
-        by_node.setdefault(int(sl.node[s]), []).append(s)
-    item = {s: (int(sl.cpu[s]), int(sl.mem[s]), sl.use[s].tolist()) for s in live.tolist()}
-    base = {n: (int(cluster.cpu_left[n]), int(cluster.mem_left[n]), cluster.gpu_left[n].tolist()) for n in by_node}
-    for k in range(2, max_moves + 1):
-        sets3: list[tuple[int, int, list[int]]] = []
-        budget = max_sets
-        for node, slots in by_node.items():
-            if len(slots) < k:
-                continue
-            b = base[node]
-            if not _fits_after_removal(workload, b, [item[s] for s in slots]):
-                continue
-            slots = [s for s in slots if can_leave(s)]
-            for combo in itertools.combinations(slots, k):
-                budget -= 1
-                if budget < 0:
-                    break
-                its = [item[c] for c in combo]
-                if not _fits_after_removal(workload, b, its):
-                    continue
-                # minimal sets only: every member is needed
-                if any(_fits_after_removal(workload, b, its[:j] + its[j + 1 :]) for j in range(k)):
-                    continue
-                cost = sum(int(sl.nbytes[c]) for c in combo)
-                gm = sum(sum(item[c][2]) for c in combo)
-                sets3.append((cost, gm, list(combo)))
-            if budget < 0:
-                break
-        if not sets3:
+    sets = victim_sets(cluster, workload, max_moves, max_sets=max_candidates)
+    return _try_sets(cluster, workload, pol, rng, [v for _, _, _, v in sets], victim_policy=victim_policy)
+
+
+def _slot_shapes(cluster: Cluster, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(num_gpu, gpu_milli) of the workloads in ``slots``, from the slot arrays."""
+    use = cluster._slots.use[slots]
+    return (use > 0).sum(axis=1), use.max(axis=1) if use.shape[1] else np.zeros(len(slots), np.int64)
+
+
+def placeable_elsewhere(cluster: Cluster, slots: np.ndarray) -> np.ndarray:
+    """(len(slots),) bool: could the workload in each slot start on some other node right now?
+    Vectorised over distinct shapes (CPU, memory, GPU count, share) x nodes; GPU-model
+    constraints are checked when a plan is tried."""
+    sl = cluster._slots
+    if len(slots) == 0:
+        return np.zeros(0, dtype=bool)
+    num, milli = _slot_shapes(cluster, slots)
+    shapes, inv = np.unique(np.stack([sl.cpu[slots], sl.mem[slots], num, milli], axis=1), axis=0, return_inverse=True)
+    inv = inv.reshape(-1)
+    gl = cluster.gpu_left
+    maxfree = gl.max(axis=1)
+    whole = (gl >= MILLI).sum(axis=1)
+    sc, sm, sn, sg = (shapes[:, i : i + 1] for i in range(4))
+    feas = (cluster.cpu_left[None, :] >= sc) & (cluster.mem_left[None, :] >= sm)
+    feas &= (sn == 0) | ((sn == 1) & (maxfree[None, :] >= sg)) | ((sn > 1) & (whole[None, :] >= sn))
+    count = feas.sum(axis=1)
+    own = feas[inv, sl.node[slots]]
+    return (count[inv] - own) > 0
+
+
+def victim_sets(
+    cluster: Cluster,
+    workload: Workload,
+    max_moves: int,
+    max_sets: int = 16,
+    max_nodes: int = 256,
+) -> list[tuple[int, int, int, list[int]]]:
+    """Candidate victim sets for :func:`defragment`, cheapest first: ``(moves, bytes, node,
+    slots)``. For each node that could hold ``workload`` once some of its relocatable workloads
+    leave, the fewest of them that free enough GPU share on ``num_gpu`` GPUs (largest occupants
+    first), then enough CPU and memory (the smallest workload that covers what is missing, else
+    the largest). Only workloads that could fit somewhere else at all are considered (a cheap
+    vectorised test against the cluster's largest free resources; the exact test is done when
+    the plan is tried). Nodes are visited by a lower bound on their move count (vectorised), so
+    the search stops early. Pure; the cluster is not changed."""
+    sl = cluster._slots
+    w = workload
+    static = (cluster.cpu_cap >= w.cpu_milli) & (cluster.mem_cap >= w.memory_mib)
+    if w.num_gpu:
+        static &= (cluster.num_gpus >= w.num_gpu) & cluster.model_ok(w)
+    live = np.nonzero((sl.node >= 0) & sl.reloc)[0]
+    if not static.any() or len(live) == 0:
+        return []
+    maybe = placeable_elsewhere(cluster, live)
+    mv = live[maybe]
+    if len(mv) == 0:
+        return []
+    nodes_mv = sl.node[mv]
+    n_nodes = cluster.num_nodes
+    cpu_f = cluster.cpu_left + np.bincount(nodes_mv, weights=sl.cpu[mv], minlength=n_nodes).astype(np.int64)
+    mem_f = cluster.mem_left + np.bincount(nodes_mv, weights=sl.mem[mv], minlength=n_nodes).astype(np.int64)
+    ok = static & (cpu_f >= w.cpu_milli) & (mem_f >= w.memory_mib)
+    lb = (cluster.cpu_left < w.cpu_milli) | (cluster.mem_left < w.memory_mib)
+    lb = lb.astype(np.int64)
+    if w.num_gpu:
+        gl = cluster.gpu_left
+        free_f = gl.copy()
+        np.add.at(free_f, nodes_mv, sl.use[mv])
+        ok &= (free_f >= w.gpu_milli).sum(axis=1) >= w.num_gpu
+        # GPUs that need at least one move: num_gpu minus the GPUs that already have room
+        have = (gl >= w.gpu_milli).sum(axis=1)
+        lb = np.maximum(lb, np.maximum(w.num_gpu - have, 0))
+    cand = np.nonzero(ok)[0]
+    if len(cand) == 0:
+        return []
+    occ = np.bincount(nodes_mv, minlength=n_nodes)
+    cand = cand[np.lexsort((occ[cand], lb[cand]))][:max_nodes]
+    maybe_set = set(mv.tolist())
+    out: list[tuple[int, int, int, list[int]]] = []
+    best = max_moves
+    for n in cand.tolist():
+        if lb[n] > best or (len(out) >= max_sets and lb[n] > min(o[0] for o in out)):
+            break
+        vs = _node_victims(cluster, w, n, maybe_set)
+        if vs is None or len(vs) > max_moves:
             continue
-        sets3.sort(key=lambda t: (t[0], t[1], t[2]))
-        plan = _try_sets(cluster, workload, pol, rng, [c for _, _, c in sets3[:max_candidates]])
-        if plan is not None:
-            return plan
-    return None
+        out.append((len(vs), int(sum(int(sl.nbytes[v]) for v in vs)), n, vs))
+        if len(out) >= 4 * max_sets:
+            break
+    out.sort(key=lambda t: (t[0], t[1], t[2]))
+    return out[:max_sets]
+
+
+def _node_victims(cluster: Cluster, w: Workload, n: int, maybe: set[int]) -> list[int] | None:
+    """The workloads to move off node ``n`` so that ``w`` fits there (see :func:`victim_sets`)."""
+    sl = cluster._slots
+    occupants = [s for s in cluster._on_node[n] if s in maybe]
+    victims: list[int] = []
+    chosen: set[int] = set()
+    if w.num_gpu:
+        left = cluster.gpu_left[n]
+        per_gpu: list[tuple[int, int, list[int]]] = []
+        for g in range(int(cluster.num_gpus[n])):
+            need = w.gpu_milli - int(left[g])
+            if need <= 0:
+                per_gpu.append((0, 0, [g]))
+                continue
+            on_g = sorted((s for s in occupants if sl.use[s, g] > 0), key=lambda s: (-int(sl.use[s, g]), int(sl.nbytes[s])))
+            take: list[int] = []
+            for s in on_g:
+                take.append(s)
+                need -= int(sl.use[s, g])
+                if need <= 0:
+                    break
+            if need > 0:
+                continue
+            per_gpu.append((len(take), int(sum(int(sl.nbytes[s]) for s in take)), take))
+        if len(per_gpu) < w.num_gpu:
+            return None
+        per_gpu.sort(key=lambda t: (t[0], t[1]))
+        for cnt, _, take in per_gpu[: w.num_gpu]:
+            if cnt:
+                for s in take:
+                    if s not in chosen:
+                        chosen.add(s)
+                        victims.append(s)
+    cpu = int(cluster.cpu_left[n]) + sum(int(sl.cpu[s]) for s in victims)
+    mem = int(cluster.mem_left[n]) + sum(int(sl.mem[s]) for s in victims)
+    rest = [s for s in occupants if s not in chosen]
+    while cpu < w.cpu_milli or mem < w.memory_mib:
+        dc, dm = w.cpu_milli - cpu, w.memory_mib - mem
+        cover = [s for s in rest if sl.cpu[s] >= dc and sl.mem[s] >= dm]
+        if cover:
+            # the smallest that covers both (GPU-free workloads first: they are easiest to place)
+            s = min(cover, key=lambda s: (int(sl.use[s].sum()) > 0, int(sl.cpu[s]) + int(sl.mem[s]) // 4, int(sl.nbytes[s])))
+        elif rest:
+            s = max(rest, key=lambda s: (max(0, min(int(sl.cpu[s]), dc)) / max(dc, 1) + max(0, min(int(sl.mem[s]), dm)) / max(dm, 1)))
+        else:
+            return None
+        rest.remove(s)
+        victims.append(s)
+        cpu += int(sl.cpu[s])
+        mem += int(sl.mem[s])
+    return victims
 
 
 def _try_sets(
-    cluster: Cluster, workload: Workload, pol: Policy, rng: np.random.Generator | None, sets: list[list[int]]
+    cluster: Cluster,
+    workload: Workload,
+    pol: Policy,
+    rng: np.random.Generator | None,
+    sets: list[list[int]],
+    victim_policy: str | Policy | None = None,
 ) -> Plan | None:
+    vpol = pol if victim_policy is None else _policy(victim_policy)
     sl = cluster._slots
     for victims in sets:
         node = int(sl.node[victims[0]])
@@ -222,7 +340,7 @@ def _try_sets(
             for s in sorted(victims, key=lambda x: -int(sl.use[x].sum())):
                 w = cluster._workloads[s]
                 assert w is not None
-                dst = pol.select(cluster, w, rng=rng, mask=mask)
+                dst = vpol.select(cluster, w, rng=rng, mask=mask)
                 if dst is None:
                     ok = False
                     break

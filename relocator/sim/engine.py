@@ -43,6 +43,7 @@ class SimResult:
     unalloc_gpus_at_100: float
     unalloc_gpus_at_130: float
     frag_pct_at_end: float
+    lower_bound_unalloc_gpus: float
     moves: int
     moved_gpus: float
     seconds: float
@@ -114,8 +115,12 @@ def simulate(
     max_moves: int | None = None,
     typical: TypicalPods | None = None,
     progress: ProgressFn | None = None,
+    min_gain_milli: int = 0,
 ) -> SimResult:
-    """One run of the protocol for one policy and seed."""
+    """One run of the protocol for one policy and seed.
+
+    ``min_gain_milli``: a pod gets at most ``total_gpu_milli // min_gain_milli`` moves (with
+    1000, at most one move per GPU it brings; 0: no such limit)."""
     t0 = time.perf_counter()
     name = canonical_policy_name(policy)
     cluster = Cluster(nodes)
@@ -141,8 +146,10 @@ def simulate(
             used += w.total_gpu_milli
         elif relocate and (max_moves is None or moves < max_moves):
             budget = moves_per_pod if max_moves is None else min(moves_per_pod, max_moves - moves)
+            if min_gain_milli > 0:
+                budget = min(budget, w.total_gpu_milli // min_gain_milli)
             key = (w.cpu_milli, w.memory_mib, w.num_gpu, w.gpu_milli, w.gpu_model, budget)
-            if hopeless.get(key) == cluster._clock:
+            if budget <= 0 or hopeless.get(key) == cluster._clock:
                 # the same shape found no plan and nothing has changed since
                 failed += 1
             else:
@@ -180,12 +187,34 @@ def simulate(
         unalloc_gpus_at_100=round(cap_gpus * (1 - a100 / 100.0), 2),
         unalloc_gpus_at_130=round(cap_gpus * (1 - a130 / 100.0), 2),
         frag_pct_at_end=round(frag, 3),
+        lower_bound_unalloc_gpus=round(packing_lower_bound_milli(cluster) / 1000.0, 2),
         moves=moves,
         moved_gpus=round(moved_milli / 1000.0, 3),
         seconds=round(time.perf_counter() - t0, 3),
         curve_arrived_pct=[round(float(x), 3) for x in arr[idx]],
         curve_alloc_pct=[round(float(x), 3) for x in alloc[idx]],
     )
+
+
+def packing_lower_bound_milli(cluster: Cluster) -> int:
+    """A lower bound on the free GPU share left by the pods running in ``cluster``, however
+    they were packed or moved: a GPU holding a share pod of size s > 500 can only take other
+    pods of at most 1000 - s on top. For each threshold t, the GPUs whose big pod leaves at
+    most t are filled only by pods of size <= t, so their free share is at least
+    sum(1000 - s) - sum(small pods <= t). The bound is the best t. (Free share of the final
+    state; the allocation at 130% load is averaged just before it, so its unallocated GPUs are
+    at least this.)"""
+    sizes = np.array([w.gpu_milli for w in cluster.running() if w.num_gpu == 1 and w.gpu_milli < 1000], dtype=np.int64)
+    if len(sizes) == 0:
+        return 0
+    big = 1000 - sizes[sizes > 500]
+    small = np.sort(sizes[sizes <= 500])
+    best = 0
+    for t in np.unique(big).tolist():
+        need = int(big[big <= t].sum())
+        fill = int(small[small <= t].sum())
+        best = max(best, need - fill)
+    return best
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -206,6 +235,7 @@ def aggregate(results: Sequence[SimResult]) -> dict:
         "alloc_pct_at_100": round(_mean([r.alloc_pct_at_100 for r in results]), 3),
         "alloc_pct_at_130": round(_mean([r.alloc_pct_at_130 for r in results]), 3),
         "frag_pct_at_end": round(_mean([r.frag_pct_at_end for r in results]), 3),
+        "lower_bound_unalloc_gpus": round(_mean([r.lower_bound_unalloc_gpus for r in results]), 2),
         "moves": round(_mean([r.moves for r in results]), 1),
         "moved_gpus": round(_mean([r.moved_gpus for r in results]), 2),
         "failed_pods": round(_mean([r.failed for r in results]), 1),
@@ -225,6 +255,7 @@ def run_many(
     max_moves: int | None = None,
     on_run: Callable[[str, bool, int], None] | None = None,
     progress: ProgressFn | None = None,
+    min_gain_milli: int = 0,
 ) -> list[tuple[dict, list[SimResult]]]:
     """All (policy, variant) x seeds; with ``relocate`` both the plain and the relocating
     variant of each policy."""
@@ -238,10 +269,10 @@ def run_many(
                 if on_run is not None:
                     on_run(pol, rel, s)
                 runs.append(
-                    simulate(nodes, pods, pol, s, tune_ratio, order, rel, moves_per_pod, max_moves, typical, progress)
+                    simulate(nodes, pods, pol, s, tune_ratio, order, rel, moves_per_pod, max_moves, typical, progress, min_gain_milli)
                 )
             out.append((aggregate(runs), runs))
     return out
 
 
-__all__ = ["FGDPolicy", "SimResult", "aggregate", "build_workload", "run_many", "simulate"]
+__all__ = ["FGDPolicy", "SimResult", "aggregate", "build_workload", "packing_lower_bound_milli", "run_many", "simulate"]
