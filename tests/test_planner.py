@@ -19,6 +19,7 @@ from relocator.planner import (
     place,
     policy_names,
 )
+from relocator.planner.cluster import Placement
 
 
 def W(id, cpu=1000, mem=1024, num=1, milli=1000, **kw):
@@ -223,3 +224,83 @@ def test_planning_decision_is_fast_on_a_large_cluster():
     defragment(c, W("job", cpu=1000, num=1), max_moves=1, policy=pol)
     dt = time.perf_counter() - t
     assert per < 0.25 and dt < 1.0  # generous for shared CI; the benchmark reports real figures
+
+
+# ---------------------------------------------------------------- multi-move defragment (victim sets)
+from relocator.planner.planners import placeable_elsewhere, victim_sets  # noqa: E402
+
+
+def test_defragment_moves_a_cpu_only_workload_off_a_cpu_starved_node():
+    # a: 2 free GPUs but its CPU is taken by a CPU-only job; b: CPU free, GPUs full
+    c = Cluster([NodeSpec("a", 16000, 65536, 2), NodeSpec("b", 32000, 65536, 2)])
+    c.add(W("cpuhog", cpu=15000, num=0), "a")
+    c.add(W("g1", cpu=1000), "b", [0])
+    c.add(W("g2", cpu=1000), "b", [1])
+    job = W("job", cpu=8000, num=2)
+    assert place(c, job) is None
+    plan = defragment(c, job, max_moves=4)
+    assert plan is not None and plan.num_moves == 1
+    assert plan.moves[0].workload == "cpuhog" and plan.moves[0].dst == "b"
+    assert plan.placement is not None and plan.placement.node == "a"
+    apply_plan(c, plan, job, check=True)
+    assert c.allocated_gpu_milli == 4000
+
+
+def test_defragment_clears_a_gpu_into_slivers_with_two_moves():
+    # a: GPU 0 holds two 0.3 shares, GPU 1 is full; b: two GPUs with a 0.3 sliver each
+    c = Cluster([NodeSpec("a", 32000, 65536, 2), NodeSpec("b", 32000, 65536, 2)])
+    c.add(W("s1", milli=300, move_cost_bytes=5), "a", [0])
+    c.add(W("s2", milli=300, move_cost_bytes=5), "a", [0])
+    c.add(W("full", milli=1000), "a", [1])
+    c.add(W("b0", milli=700), "b", [0])
+    c.add(W("b1", milli=700), "b", [1])
+    job = W("job", milli=1000)
+    assert place(c, job) is None
+    assert defragment(c, job, max_moves=1) is None  # one move frees only 0.7
+    sets = victim_sets(c, job, 4)
+    assert sets and sets[0][0] == 2 and c.node_ids[sets[0][2]] == "a"
+    plan = defragment(c, job, max_moves=2)
+    assert plan is not None and plan.num_moves == 2
+    assert {m.workload for m in plan.moves} == {"s1", "s2"} and all(m.dst == "b" for m in plan.moves)
+    assert plan.placement == Placement("a", (0,))
+    apply_plan(c, plan, job, check=True)
+    assert (c.gpu_left == 0).all()
+
+
+def test_victim_sets_prefer_fewest_moves_then_fewest_bytes():
+    # two ways to free a whole GPU with one move: a cheap share on a, a dear one on b; c has room
+    c = Cluster([NodeSpec("a", 32000, 65536, 1), NodeSpec("b", 32000, 65536, 1), NodeSpec("c", 32000, 65536, 2)])
+    c.add(W("cheap", milli=600, move_cost_bytes=10), "a")
+    c.add(W("dear", milli=600, move_cost_bytes=1000), "b")
+    c.add(W("c0", milli=300, relocatable=False), "c", [0])
+    c.add(W("c1", milli=300, relocatable=False), "c", [1])
+    job = W("job", milli=900)
+    sets = victim_sets(c, job, 3)
+    assert [(k, c.node_ids[n]) for k, _, n, _ in sets][:2] == [(1, "a"), (1, "b")]
+    plan = defragment(c, job, max_moves=3)
+    assert plan is not None and plan.moves[0].workload == "cheap"
+
+
+def test_placeable_elsewhere_excludes_the_own_node():
+    c = Cluster([NodeSpec("a", 32000, 65536, 1), NodeSpec("b", 2000, 65536, 1)])
+    c.add(W("big", cpu=20000, milli=500), "a")  # only a has the CPU for it
+    c.add(W("small", cpu=1000, milli=200), "a")
+    slots = np.array([c._slot_of["big"], c._slot_of["small"]])
+    assert placeable_elsewhere(c, slots).tolist() == [False, True]
+
+
+def test_defragment_respects_the_move_budget_and_pinned_workloads():
+    # a: GPU 0 holds three 0.3 shares, GPU 1 a pinned job; c: three 0.3 slivers next to pinned 0.7s
+    c = Cluster([NodeSpec("a", 32000, 65536, 2), NodeSpec("c", 32000, 65536, 3)])
+    for i in range(3):
+        c.add(W(f"s{i}", milli=300), "a", [0])
+    c.add(W("pin", milli=1000, relocatable=False), "a", [1])
+    for g in range(3):
+        c.add(W(f"p{g}", milli=700, relocatable=False), "c", [g])
+    job = W("job", milli=1000)
+    assert place(c, job) is None
+    assert defragment(c, job, max_moves=2) is None
+    plan = defragment(c, job, max_moves=3)
+    assert plan is not None and plan.num_moves == 3 and plan.placement == Placement("a", (0,))
+    apply_plan(c, plan, job, check=True)
+    assert c.placement_of("pin") == Placement("a", (1,))
