@@ -206,11 +206,15 @@ class NodeAgent:
         from relocator.agent.transfer import receive_chunks
 
         src = ray.get_actor(agent_name(src_node), namespace=NAMESPACE)
-        gen = src.stream_image.options(num_returns="streaming").remote(src_image_dir, chunk_bytes)
+        # at most 8 chunks in flight: the image never has to fit in the object store
+        gen = src.stream_image.options(num_returns="streaming", _generator_backpressure_num_objects=8).remote(
+            src_image_dir, chunk_bytes)
 
         def chunks() -> Iterator[tuple]:
             for ref in gen:
-                yield ray.get(ref)
+                chunk = ray.get(ref)
+                del ref  # let the object store drop it
+                yield chunk
 
         return receive_chunks(chunks(), dst_image_dir)
 

@@ -87,6 +87,8 @@ def receive_chunks(chunks: Iterable[Chunk], dst_dir: str | Path,
                 cur_name = None
         if fh is not None:
             raise TransferError(f"{cur_name}: stream ended inside the file")
+        if MANIFEST not in received:
+            raise TransferError("stream ended before the manifest arrived")
         manifest = read_manifest(dst_dir)
         missing = sorted(set(manifest.files) - set(received))
         if missing:
@@ -102,5 +104,5 @@ def receive_chunks(chunks: Iterable[Chunk], dst_dir: str | Path,
         os.rmdir(dst_dir)
         raise
     secs = time.monotonic() - t0
-    return {"bytes": total, "chunks": n_chunks, "files": len(received), "seconds": round(secs, 3),
+    return {"bytes": total, "chunks": n_chunks, "files": len(received) - 1, "seconds": round(secs, 3),
             "gb_per_s": round(total / secs / 1e9, 3) if secs > 0 else None, "verified": True}

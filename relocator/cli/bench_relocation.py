@@ -1,0 +1,64 @@
+"""`relocator bench relocation`: one live relocation under 8 concurrent greedy streams, measured
+against a cold start of the same model."""
+
+from __future__ import annotations
+
+import os
+import time
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import typer
+
+from relocator.cli import bench_app
+from relocator.cli.common import console, handle_errors, print_json
+
+MODEL = "tiny-llama"
+
+
+def run_bench(streams: int = 8, max_tokens: int = 256, transfer: str = "shared",
+              base_dir: str = "/var/lib/relocator/bench") -> dict:
+    import relocator
+    from relocator.cluster.scenario import relocate_under_load
+    from relocator.cluster.streams import first_token_s
+
+    ctl = relocator.start(nodes=2, gpus_per_node=4, base_dir=base_dir)
+    try:
+        t = time.monotonic()
+        w = ctl.launch(MODEL, 2, "n1")
+        ttft = first_token_s(ctl.router_url, MODEL)
+        cold = time.monotonic() - t
+        res = relocate_under_load(ctl, w["id"], "n2", MODEL, concurrency=streams, max_tokens=max_tokens,
+                                  transfer=transfer)
+    finally:
+        ctl.down()
+    rel, load = res["relocation"], res["load"]
+    out = {
+        "cold_start_to_first_token_s": round(cold, 3),
+        "cold_start_ready_s": w["launch_s"], "cold_start_ttft_s": round(ttft, 4),
+        "blackout_max_s": load["blackout_max_s"],
+        "blackout_pct_of_cold_start": round(100 * load["blackout_max_s"] / cold, 1) if cold else None,
+        "phases": rel["phases"], "relocation_total_s": round(sum(rel["phases"].values()), 3),
+        "image_bytes": rel["image_bytes"], "transfer": rel["transfer"],
+        "tokens_lost": load["tokens_lost"], "tokens_duplicated": load["tokens_duplicated"],
+        "tokens_mismatched": load["tokens_mismatched"], "client_errors": load["client_errors"],
+        "streams": streams, "max_tokens": max_tokens, "requests": load["requests"], "tokens": load["tokens"],
+        "result": rel["result"], "client_max_gap_s": [c["max_gap_s"] for c in load["clients"]],
+    }
+    return out
+
+
+@bench_app.command("relocation")
+@handle_errors
+def bench_relocation(json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
+                     streams: int = typer.Option(8, help="concurrent greedy streams"),
+                     max_tokens: int = typer.Option(256, help="tokens per request"),
+                     transfer: str = typer.Option("shared", help="shared | stream (agent to agent, checksummed)"),
+                     cluster_dir: str = typer.Option("/var/lib/relocator/bench", "--cluster-dir")) -> None:
+    """Blackout, phases and token check of one live relocation vs a cold start."""
+    out = run_bench(streams, max_tokens, transfer, cluster_dir)
+    if json_out:
+        print_json(out)
+        return
+    for k, v in out.items():
+        console.print(f"{k:32} {v}", highlight=False)
