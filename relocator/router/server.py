@@ -7,6 +7,7 @@ closes the generator and with it the upstream request."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import json
 import logging
@@ -75,11 +76,22 @@ class AiohttpUpstream:
         self._hdrs = {"Content-Type": "application/json"}
 
     async def post(self, url: str, body: bytes) -> _Resp:
-        try:
-            r = await self.session.post(url, data=body, headers=self._hdrs)
-        except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError, OSError) as e:
-            raise UpstreamError(f"{type(e).__name__}: {e}") from None
-        return _Resp(r)
+        # Idle pooled connections to a worker that was frozen by a dump and then resumed
+        # (rollback) come back reset: drop them and try again before giving up (issue 4).
+        for attempt in range(9):
+            try:
+                r = await self.session.post(url, data=body, headers=self._hdrs)
+            except (aiohttp.ServerDisconnectedError, ConnectionResetError, BrokenPipeError) as e:
+                stale = e
+            except aiohttp.ClientOSError as e:
+                if e.errno not in (errno.ECONNRESET, errno.EPIPE):
+                    raise UpstreamError(f"{type(e).__name__}: {e}") from None
+                stale = e
+            except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError, OSError) as e:
+                raise UpstreamError(f"{type(e).__name__}: {e}") from None
+            else:
+                return _Resp(r)
+        raise UpstreamError(f"{type(stale).__name__}: {stale}")
 
     async def close(self) -> None:
         await self.session.close()
