@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ from adapters.base import EngineFingerprint
 from relocator.snapshot.fingerprint import Fingerprint, HostFingerprint
 from relocator.snapshot.manifest import (
     CellInfo,
+    stamp_is_fresh,
+    write_stamp,
     ImageError,
     Manifest,
     hash_files,
@@ -111,3 +114,26 @@ def test_hmac_key_changes_digest(image: Path, monkeypatch: pytest.MonkeyPatch) -
     m = Manifest.model_validate_json((image / "manifest.json").read_text())
     write_manifest(image, m)
     assert read_manifest(image).digest == m.digest
+
+
+def test_stamp_is_fresh_until_any_file_changes(image: Path) -> None:
+    m = read_manifest(image)
+    assert not stamp_is_fresh(image, m)  # never hashed on this host
+    verify_files(image, m)  # a full verify leaves a stamp
+    assert stamp_is_fresh(image, m)
+    pages = image / "pages-1.img"
+    st = pages.stat()
+    data = bytearray(pages.read_bytes())
+    data[10] ^= 0xFF
+    pages.write_bytes(bytes(data))
+    os.utime(pages, ns=(st.st_atime_ns, st.st_mtime_ns))  # mtime put back: ctime still moved
+    assert not stamp_is_fresh(image, m)
+    with pytest.raises(ImageError, match="corrupt"):
+        verify_files(image, m)
+
+
+def test_stamp_of_another_manifest_is_not_fresh(image: Path) -> None:
+    m = read_manifest(image)
+    write_stamp(image, m)
+    other = m.model_copy(update={"digest": "0" * 64})
+    assert not stamp_is_fresh(image, other)

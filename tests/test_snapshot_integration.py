@@ -69,6 +69,8 @@ def test_restore_while_stopped_source_exists_gives_identical_output(worker_cell:
         assert cell.endpoint != worker_cell.endpoint
         assert greedy_all(cell.endpoint) == reference
         assert cell.origin == f"restore:{image.path}"
+        # dump() hashed these very files moments ago: no second full hash on the hot path
+        assert json.loads((cell.dir / "restore_timings.json").read_text())["verified_by"] == "stamp"
     finally:
         cell.kill()
     assert worker_cell.is_stopped()  # untouched by the restore
@@ -127,7 +129,7 @@ def test_fingerprint_mismatch_is_refused_with_reason(image: Image) -> None:
     target.engine.weight_sha256 = "0" * 64
     target.host.cpu_model = "Some Other CPU"
     with pytest.raises(IncompatibleImage) as info:
-        restore(image, RestoreTarget(fingerprint=target, verify_checksums=False))
+        restore(image, RestoreTarget(fingerprint=target, verify="none"))
     fields = {m.field: m for m in info.value.mismatches}
     assert set(fields) == {"engine.weight_sha256", "host.cpu_model"}
     assert fields["host.cpu_model"].found == "Some Other CPU"

@@ -6,6 +6,9 @@ Run as `python -m adapters.vllm.launcher <vllm serve args>`. What it changes, an
 - the KV-cache pool is allocated without being written (torch.empty instead of torch.zeros),
   so pool pages no request ever used stay untouched and are not in the image. vLLM writes a
   slot before any attention kernel reads it, so the initial content never matters.
+- inductor's precompiled headers (~150 MB, written at every start) go to the inductor cache on
+  host storage instead of the temp dir: in the cell's tmpfs they would be tarred into every
+  image and rebuilt at every cold start.
 The patches sit at module level: vLLM spawns its engine processes, which re-import this
 module as their main module, so they are patched too.
 """
@@ -53,8 +56,17 @@ def _lazy_kv_pool() -> None:
         worker_utils.torch = _TorchWithLazyZeros("torch")
 
 
+def _shared_header_dir() -> None:
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if cache:
+        import torch._inductor.codecache as codecache
+
+        codecache._HEADER_DIR = os.path.join(cache, "precompiled_headers")
+
+
 _use_stdlib_asyncio()
 _lazy_kv_pool()
+_shared_header_dir()
 
 
 def main() -> None:

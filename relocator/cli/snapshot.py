@@ -141,18 +141,22 @@ def snapshot_dump(
 @handle_errors
 def snapshot_restore(
     image_dir: Path,
-    verify: bool = typer.Option(True, help="Verify every file's sha256 first."),
+    verify: str = typer.Option("auto", help="full: hash every file; auto: unless this host hashed "
+                               "these unchanged files already; none: sizes only."),
     wait: bool = typer.Option(True, help="Wait until the restored engine serves."),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Verify IMAGE_DIR against this host and restore it into a new cell."""
     from relocator.snapshot import ImageError, IncompatibleImage, RestoreTarget, restore
+    from relocator.snapshot.snapshot import VERIFY_MODES
     from relocator.worker import wait_ready
 
+    if verify not in VERIFY_MODES:
+        fail(f"--verify must be one of {', '.join(VERIFY_MODES)}, not {verify!r}")
     start = time.monotonic()
     try:
         with _progress() as progress:
-            cell = restore(image_dir, RestoreTarget(verify_checksums=verify), progress=_progress_cb(progress))
+            cell = restore(image_dir, RestoreTarget(verify=verify), progress=_progress_cb(progress))
     except ImageError as exc:
         fail(f"{exc}. Nothing was restored; the source cell is untouched (resume it with `relocator cell resume`).", 3)
     except IncompatibleImage as exc:

@@ -18,7 +18,8 @@ from relocator.snapshot.fingerprint import Fingerprint
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 # CRIU's own logs and statistics are written after the fact and are not part of what is restored.
-_NOT_CHECKSUMMED = {MANIFEST, "dump.log", "restore.log", "stats-restore"}
+STAMP = ".verified.json"
+_NOT_CHECKSUMMED = {MANIFEST, STAMP, "dump.log", "restore.log", "stats-restore"}
 
 
 class ImageError(RuntimeError):
@@ -117,6 +118,42 @@ def read_manifest(image_dir: Path) -> Manifest:
     return manifest
 
 
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _file_stats(image_dir: Path, names: list[str]) -> dict[str, list[int]]:
+    # ctime and inode change on any write or metadata change and cannot be set by a user
+    # (utimes sets mtime, not ctime), so equal stats mean the bytes hashed are still there.
+    out = {}
+    for name in names:
+        st = (image_dir / name).stat()
+        out[name] = [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    return out
+
+
+def write_stamp(image_dir: Path, manifest: Manifest) -> None:
+    """Record that the files on disk were hashed and match `manifest` (this boot, this host)."""
+    stamp = {"digest": manifest.digest, "boot_id": _boot_id(),
+             "stats": _file_stats(image_dir, sorted(manifest.files))}
+    tmp = image_dir / (STAMP + ".tmp")
+    tmp.write_text(json.dumps(stamp))
+    os.replace(tmp, image_dir / STAMP)
+
+
+def stamp_is_fresh(image_dir: Path, manifest: Manifest) -> bool:
+    """True when this host hashed exactly these files, unchanged since, against this manifest."""
+    try:
+        stamp = json.loads((image_dir / STAMP).read_text())
+        return (stamp["digest"] == manifest.digest and stamp["boot_id"] == _boot_id()
+                and stamp["stats"] == _file_stats(image_dir, sorted(manifest.files)))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def verify_files(image_dir: Path, manifest: Manifest, progress: Callable[[int], None] | None = None) -> None:
     """Raise ImageError on the first missing, extra, truncated or altered file."""
     image_dir = Path(image_dir)
@@ -136,3 +173,4 @@ def verify_files(image_dir: Path, manifest: Manifest, progress: Callable[[int], 
         if found[name].sha256 != entry.sha256:
             raise ImageError(f"image file {name} is corrupt: sha256 {found[name].sha256[:16]}..., "
                              f"manifest says {entry.sha256[:16]}...")
+    write_stamp(image_dir, manifest)

@@ -27,8 +27,10 @@ from relocator.snapshot.manifest import (
     Manifest,
     hash_files,
     read_manifest,
+    stamp_is_fresh,
     verify_files,
     write_manifest,
+    write_stamp,
 )
 
 Progress = Callable[[str, float | None], None]  # (step description, fraction done or None)
@@ -54,13 +56,21 @@ class Image:
         return self.manifest.total_bytes
 
 
+VERIFY_MODES = ("auto", "full", "none")
+
+
 @dataclass
 class RestoreTarget:
     """Where to restore: the fingerprint expected there (default: this host + the image's
-    engine as installed here) and options."""
+    engine as installed here) and options.
+
+    verify: "full" hashes every file; "auto" (default) does too, unless this host already
+    hashed these very files (dump, transfer or an earlier verify left a stamp and no file's
+    inode, size, mtime or ctime changed since); "none" checks sizes only.
+    """
 
     fingerprint: Fingerprint | None = None
-    verify_checksums: bool = True
+    verify: str = "auto"
     cell_id: str | None = None
     extra: dict = field(default_factory=dict)
 
@@ -142,6 +152,7 @@ def dump(cell: Cell, image_dir: Path, progress: Progress = _noop) -> Image:
         timings=timings,
     )
     write_manifest(image_dir, manifest)
+    write_stamp(image_dir, manifest)  # the hashes were just taken from these very files
     return Image(path=image_dir, manifest=manifest)
 
 
@@ -195,7 +206,18 @@ def restore(image: Image | Path, target: RestoreTarget | None = None, progress: 
     image = inspect_image(image) if isinstance(image, (str, Path)) else image
     manifest = read_manifest(image.path)  # re-read: the files on disk are what gets restored
     t0 = time.monotonic()
-    if target.verify_checksums:
+    if target.verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, not {target.verify!r}")
+    verified_by = {"full": "full", "none": "none"}.get(target.verify) or (
+        "stamp" if stamp_is_fresh(image.path, manifest) else "full")
+    if verified_by == "stamp":
+        progress("checksums verified earlier on this host", None)
+    elif verified_by == "none":
+        for name, entry in manifest.files.items():
+            path = image.path / name
+            if not path.is_file() or path.stat().st_size != entry.size:
+                raise ImageError(f"image file {name} is missing or truncated")
+    else:
         progress("verify checksums", 0.0)
         total, done = manifest.total_bytes, 0
 
@@ -230,5 +252,5 @@ def restore(image: Image | Path, target: RestoreTarget | None = None, progress: 
         progress("cuda restore", None)
         cuda.restore([p for p in cell.pids() if cuda.cuda_state(p) == "checkpointed"])
     (cdir / "restore_timings.json").write_text(json.dumps(
-        {"verify_s": verify_s, "criu_restore_s": time.monotonic() - t, "total_s": time.monotonic() - t0}))
+        {"verify_s": verify_s, "verified_by": verified_by, "criu_restore_s": time.monotonic() - t, "total_s": time.monotonic() - t0}))
     return cell
