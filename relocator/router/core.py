@@ -99,7 +99,8 @@ class RouterCore:
             raise errors.body_too_large(self.max_body_bytes)
         try:
             body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            # RecursionError: JSON nested deeper than the parser's stack (an abuse case).
             raise errors.bad_request(f"Malformed JSON body: {e}", code="invalid_json") from None
         if not isinstance(body, dict):
             raise errors.bad_request("The request body must be a JSON object.",

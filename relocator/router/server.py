@@ -269,7 +269,7 @@ class RouterServer:
     async def _json(self, request: web.Request) -> dict:
         try:
             body = await request.json() if request.can_read_body else {}
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise errors.bad_request(f"Malformed JSON body: {e}", code="invalid_json") from None
         if not isinstance(body, dict):
             raise errors.bad_request("The request body must be a JSON object.", code="invalid_json")
