@@ -304,3 +304,19 @@ def test_defragment_respects_the_move_budget_and_pinned_workloads():
     assert plan is not None and plan.num_moves == 3 and plan.placement == Placement("a", (0,))
     apply_plan(c, plan, job, check=True)
     assert c.placement_of("pin") == Placement("a", (1,))
+
+
+def test_plan_gain_counts_gpus_unlocked_by_freeing_cpu():
+    from relocator.planner.planners import plan_gain_milli
+
+    # a: 3 idle GPUs, CPU taken by a CPU-only job; b: GPUs full, CPU free
+    c = Cluster([NodeSpec("a", 40000, 262144, 4), NodeSpec("b", 64000, 262144, 1)])
+    c.add(W("hog", cpu=38000, num=0), "a")
+    c.add(W("g", cpu=1000), "a", [0])
+    c.add(W("bg", cpu=1000), "b", [0])
+    job = W("job", cpu=10000, num=1)
+    plan = defragment(c, job, max_moves=2)
+    assert plan is not None and plan.moves[0].workload == "hog"
+    # the job's GPU plus the two GPUs the freed CPU (29 cores left at 10 per GPU) makes usable
+    assert plan_gain_milli(c, plan, job, cpu_per_gpu=10000, mem_per_gpu=1024) == 3000
+    c.check()

@@ -44,7 +44,8 @@ def bench_sim(
     policy: str = typer.Option("random,dot-product,best-fit,fgd", "--policy", help="Policies, comma-separated."),
     seeds: str = typer.Option("42..51", "--seeds", help="Seeds (the reference uses 42..51)."),
     moves_per_pod: int = typer.Option(4, "--moves-per-pod", help="Most moves to make room for one pod."),
-    min_gain: int = typer.Option(1000, "--min-gain", help="Milli-GPU a pod must bring per move (1000: at most one move per GPU placed)."),
+    min_gain: int = typer.Option(1500, "--min-gain", help="Milli-GPU a plan must be worth per move (its pod plus GPU share made usable)."),
+    jobs: int = typer.Option(2, "--jobs", help="Runs in parallel (processes)."),
     plot: Path = typer.Option(Path("docs/img/sim_alloc.png"), "--plot", help="Where to write the PNG."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object: results, validation."),
 ) -> None:
@@ -64,7 +65,7 @@ def bench_sim(
         reference = load_reference(tdir / REFERENCE_FILE)
     except TraceError as exc:
         raise fail(str(exc)) from None
-    out = run_with_progress(nodes, pods, policies, seed_list, True, 1.3, "shuffle", moves_per_pod, None, quiet=False, min_gain=min_gain)
+    out = run_with_progress(nodes, pods, policies, seed_list, True, 1.3, "shuffle", moves_per_pod, None, quiet=False, min_gain=min_gain, jobs=max(1, jobs))
     results = [agg for agg, _ in out]
     validation = compare(results, reference)
     plot_allocation(out, plot)

@@ -53,7 +53,7 @@ def load_inputs(trace: Optional[Path], pods: Optional[Path]):
         raise fail(str(exc)) from None
 
 
-def run_with_progress(nodes, pods, policies, seeds, relocate, tune, order, moves_per_pod, max_moves, quiet: bool, min_gain: int = 0):
+def run_with_progress(nodes, pods, policies, seeds, relocate, tune, order, moves_per_pod, max_moves, quiet: bool, min_gain: int = 0, jobs: int = 1):
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -85,7 +85,7 @@ def run_with_progress(nodes, pods, policies, seeds, relocate, tune, order, moves
         def progress(done: int, total: int) -> None:
             prog.update(pods_task, completed=done, total=total)
 
-        out = run_many(nodes, pods, policies, seeds, relocate, tune, order, moves_per_pod, max_moves, on_run, progress, min_gain)
+        out = run_many(nodes, pods, policies, seeds, relocate, tune, order, moves_per_pod, max_moves, on_run, None if jobs > 1 else progress, min_gain, jobs)
         prog.advance(runs)
     return out
 
@@ -101,7 +101,8 @@ def simulate_cmd(
     order: str = typer.Option("shuffle", "--order", help="Arrival order: shuffle (the authors' runs) or submission (creation_time)."),
     moves_per_pod: int = typer.Option(4, "--moves-per-pod", help="Relocation: most moves to make room for one pod."),
     max_moves: Optional[int] = typer.Option(None, "--max-moves", help="Relocation: most moves in one run (default: no limit)."),
-    min_gain: int = typer.Option(1000, "--min-gain", help="Relocation: milli-GPU a pod must bring per move (1000: at most one move per GPU placed; 0: no limit)."),
+    min_gain: int = typer.Option(1500, "--min-gain", help="Relocation: milli-GPU a plan must be worth per move (its pod plus GPU share made usable; 0: every plan)."),
+    jobs: int = typer.Option(1, "--jobs", help="Runs in parallel (processes)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of allocation vs arrived load (seed means)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with means over the seeds."),
 ) -> None:
@@ -121,7 +122,7 @@ def simulate_cmd(
     if tune < 0 or moves_per_pod < 0 or min_gain < 0 or (max_moves is not None and max_moves < 0):
         raise fail("--tune, --moves-per-pod, --min-gain and --max-moves must not be negative")
     _, nodes, pod_list = load_inputs(trace, pods)
-    out = run_with_progress(nodes, pod_list, policies, seed_list, relocate, tune, order, moves_per_pod, max_moves, quiet=False, min_gain=min_gain)
+    out = run_with_progress(nodes, pod_list, policies, seed_list, relocate, tune, order, moves_per_pod, max_moves, quiet=False, min_gain=min_gain, jobs=max(1, jobs))
     results = [agg for agg, _ in out]
     if plot is not None:
         from relocator.sim.plot import plot_allocation

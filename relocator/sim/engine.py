@@ -22,8 +22,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from relocator.planner.cluster import Cluster, NodeSpec
-from relocator.planner.planners import apply_plan, defragment
+from relocator.planner.cluster import MILLI, Cluster, NodeSpec
+from relocator.planner.planners import apply_plan, defragment, plan_gain_milli, usable_gpu_milli
 from relocator.planner.policies import FGDPolicy, TypicalPods, canonical_policy_name, cluster_fragmentation_milli, get_policy
 from relocator.sim.trace import TracePod
 
@@ -92,6 +92,14 @@ def build_workload(pods: Sequence[TracePod], seed: int, tune_ratio: float, capac
     return out
 
 
+def _locked_gpu_milli(cluster: Cluster, cpu_per_gpu: float, mem_per_gpu: float, min_share: int = 200) -> float:
+    """The most idle GPU share on one node that its free CPU or memory keeps unusable."""
+    gl = cluster.gpu_left
+    share = np.where(gl >= min_share, gl, 0).sum(axis=1)
+    usable = usable_gpu_milli(cluster, np.arange(cluster.num_nodes), cpu_per_gpu, mem_per_gpu, min_share)
+    return float((share - usable).max())
+
+
 def _at(arr_pct: np.ndarray, alloc_pct: np.ndarray, x: int) -> float:
     r = np.round(arr_pct)
     sel = r == x
@@ -119,8 +127,10 @@ def simulate(
 ) -> SimResult:
     """One run of the protocol for one policy and seed.
 
-    ``min_gain_milli``: a pod gets at most ``total_gpu_milli // min_gain_milli`` moves (with
-    1000, at most one move per GPU it brings; 0: no such limit)."""
+    ``min_gain_milli``: a relocation plan of k moves is carried out only if it is worth at least
+    ``k * min_gain_milli`` of GPU share (:func:`plan_gain_milli`: the pod's own GPUs plus the GPU
+    share its moves make usable or unusable by freeing or taking CPU and memory, at the trace's
+    CPU and memory per GPU). 1000: about one move per GPU won; 0: every plan."""
     t0 = time.perf_counter()
     name = canonical_policy_name(policy)
     cluster = Cluster(nodes)
@@ -136,6 +146,10 @@ def simulate(
     alloc = np.zeros(len(seq), dtype=np.float64)
     failed = moves = moved_milli = 0
     hopeless: dict[tuple, int] = {}
+    gpu_pods = [p.workload for p in pods if p.workload.num_gpu]
+    tot_gpu = max(1, sum(x.total_gpu_milli for x in gpu_pods))
+    cpu_per_gpu = MILLI * sum(x.cpu_milli for x in gpu_pods) / tot_gpu
+    mem_per_gpu = MILLI * sum(x.memory_mib for x in gpu_pods) / tot_gpu
     step = max(1, len(seq) // 100)
     for i, tp in enumerate(seq):
         w = tp.workload
@@ -146,14 +160,25 @@ def simulate(
             used += w.total_gpu_milli
         elif relocate and (max_moves is None or moves < max_moves):
             budget = moves_per_pod if max_moves is None else min(moves_per_pod, max_moves - moves)
-            if min_gain_milli > 0:
-                budget = min(budget, w.total_gpu_milli // min_gain_milli)
             key = (w.cpu_milli, w.memory_mib, w.num_gpu, w.gpu_milli, w.gpu_model, budget)
+            if min_gain_milli > 0 and budget > 0 and w.total_gpu_milli < min_gain_milli * 1:
+                # a plan is worth the pod plus GPU share it unlocks on its target node: skip the
+                # search when no node has enough idle GPU share held back by CPU or memory
+                locked = _locked_gpu_milli(cluster, cpu_per_gpu, mem_per_gpu)
+                if w.total_gpu_milli + locked < min_gain_milli:
+                    budget = 0
             if budget <= 0 or hopeless.get(key) == cluster._clock:
                 # the same shape found no plan and nothing has changed since
                 failed += 1
             else:
                 plan = defragment(cluster, w, max_moves=budget, policy=pol, rng=rng)
+                if (
+                    plan is not None
+                    and plan.num_moves
+                    and min_gain_milli > 0
+                    and plan_gain_milli(cluster, plan, w, cpu_per_gpu, mem_per_gpu) < min_gain_milli * plan.num_moves
+                ):
+                    plan = None  # not worth its moves
                 if plan is not None and plan.placement is not None:
                     apply_plan(cluster, plan, w)
                     used += w.total_gpu_milli
@@ -243,6 +268,10 @@ def aggregate(results: Sequence[SimResult]) -> dict:
     }
 
 
+def _run_one(args: tuple) -> SimResult:
+    return simulate(*args)
+
+
 def run_many(
     nodes: Sequence[NodeSpec],
     pods: Sequence[TracePod],
@@ -256,21 +285,40 @@ def run_many(
     on_run: Callable[[str, bool, int], None] | None = None,
     progress: ProgressFn | None = None,
     min_gain_milli: int = 0,
+    jobs: int = 1,
 ) -> list[tuple[dict, list[SimResult]]]:
     """All (policy, variant) x seeds; with ``relocate`` both the plain and the relocating
-    variant of each policy."""
+    variant of each policy. ``jobs`` > 1 runs them in that many processes (``on_run`` is then
+    called as each run finishes, and there is no per-pod ``progress``)."""
     typical = TypicalPods.from_workloads([p.workload for p in pods])
-    out = []
     variants = [False, True] if relocate else [False]
+    tasks = [(pol, rel, s) for pol in policies for rel in variants for s in seeds]
+    results: dict[tuple[str, bool, int], SimResult] = {}
+    if jobs <= 1:
+        for pol, rel, s in tasks:
+            if on_run is not None:
+                on_run(pol, rel, s)
+            results[(pol, rel, s)] = simulate(
+                nodes, pods, pol, s, tune_ratio, order, rel, moves_per_pod, max_moves, typical, progress, min_gain_milli
+            )
+    else:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=jobs) as ex:
+            futs = {
+                ex.submit(_run_one, (nodes, pods, pol, s, tune_ratio, order, rel, moves_per_pod, max_moves, typical, None, min_gain_milli)): (pol, rel, s)
+                for pol, rel, s in tasks
+            }
+            from concurrent.futures import as_completed
+
+            for f in as_completed(futs):
+                results[futs[f]] = f.result()
+                if on_run is not None:
+                    on_run(*futs[f])
+    out = []
     for pol in policies:
         for rel in variants:
-            runs = []
-            for s in seeds:
-                if on_run is not None:
-                    on_run(pol, rel, s)
-                runs.append(
-                    simulate(nodes, pods, pol, s, tune_ratio, order, rel, moves_per_pod, max_moves, typical, progress, min_gain_milli)
-                )
+            runs = [results[(pol, rel, s)] for s in seeds]
             out.append((aggregate(runs), runs))
     return out
 
