@@ -172,3 +172,24 @@ def test_drain_node_with_two_workers(relocator_cluster, w1, ref) -> None:
         assert len(live_cells(ctl, wid)) == 1 and len(all_cells(ctl, wid)) == 1
     assert gpus_free(ctl) == expected_free(ctl)
     greedy_ok(ctl.router_url, ref)
+
+
+def test_cli_status_json_and_clean_errors(relocator_cluster, w1) -> None:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    d = ["--cluster-dir", relocator_cluster.info["base_dir"]]
+    proc = subprocess.run([sys.executable, "-m", "relocator", "status", "--json", *d], capture_output=True,
+                          text=True, cwd=repo, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    st = json.loads(proc.stdout)
+    assert st["router_url"] == relocator_cluster.router_url
+    assert {"id", "gpus_total", "gpus_free"} <= set(st["nodes"][0])
+    assert {"id", "model", "node", "state", "endpoint"} <= set(st["workers"][0])
+    assert {"id", "worker", "from", "to", "phase", "result"} <= set(st["relocations"][0])
+    proc = subprocess.run([sys.executable, "-m", "relocator", "relocate", "nope", "--json", *d],
+                          capture_output=True, text=True, cwd=repo, timeout=120)
+    assert proc.returncode == 2 and "unknown worker" in proc.stderr and "Traceback" not in proc.stderr

@@ -29,8 +29,15 @@ class ControllerClient:
 
     def _call(self, method: str, *args: Any, timeout: float | None = 900, **kw: Any) -> Any:
         import ray
+        from ray.exceptions import RayTaskError
 
-        return ray.get(getattr(self.handle, method).remote(*args, **kw), timeout=timeout)
+        try:
+            return ray.get(getattr(self.handle, method).remote(*args, **kw), timeout=timeout)
+        except RayTaskError as exc:  # the controller's own exception, not Ray's wrapper
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, Exception):
+                raise cause from None
+            raise
 
     @property
     def router_url(self) -> str | None:
