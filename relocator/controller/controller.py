@@ -59,6 +59,9 @@ class Controller:
         for name, info in self.inventory(refresh=True).items():
             self.agents[name] = start_agent(name, info.ray_node_id, str(self.node_dir(name) / "state"),
                                             str(self.node_dir(name) / "images"))
+        for w in self.store.workers():  # a launch the previous controller did not finish
+            if w.state == "starting":
+                self._abandon_launch(w)
         self.recovering = [r.id for r in self.store.open_relocations()]
         for rel in self.store.open_relocations():
             self._busy.add(rel.worker)
@@ -191,6 +194,14 @@ class Controller:
             with self._lock:
                 self._busy.discard(wid)
                 self._pending_reservations.discard(w.reservation)
+
+    def _abandon_launch(self, w: WorkerRecord) -> None:
+        for fn in (lambda: self.backend.kill(w.node, w.cell_id), lambda: self.backend.free(w.reservation)):
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("cleaning up interrupted launch of %s: %s", w.id, exc)
+        self.store.delete_worker(w.id)
 
     def stop_worker(self, worker_id: str) -> dict:
         w = self.store.worker(worker_id)
