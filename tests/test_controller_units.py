@@ -27,9 +27,10 @@ def fake_image(d: Path, sizes=(0, 1, 5000, 3 << 20)) -> Path:
     return d
 
 
-def test_stream_roundtrip_is_verified(tmp_path: Path) -> None:
+@pytest.mark.parametrize("rehash", [False, True])
+def test_stream_roundtrip_is_verified(tmp_path: Path, rehash: bool) -> None:
     src = fake_image(tmp_path / "src")
-    chunks = list(iter_chunks(src, chunk_bytes=1 << 20))
+    chunks = list(iter_chunks(src, chunk_bytes=1 << 20, rehash=rehash))
     assert len(chunks) > 5 and chunks[-1][0] == "manifest.json"
     out = receive_chunks(iter(chunks), tmp_path / "dst")
     assert out["verified"] and out["files"] == 4
@@ -54,6 +55,17 @@ def test_damaged_stream_is_refused_and_cleaned(tmp_path: Path, damage: str) -> N
     with pytest.raises(TransferError):
         receive_chunks(iter(chunks), tmp_path / "dst")
     assert not (tmp_path / "dst").exists()
+
+
+def test_file_changed_on_sender_disk_is_refused(tmp_path: Path) -> None:
+    src = fake_image(tmp_path / "src")
+    victim = src / "pages-3.img"
+    data = bytearray(victim.read_bytes())
+    data[100] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    for rehash in (False, True):
+        with pytest.raises(TransferError):
+            receive_chunks(iter_chunks(src, chunk_bytes=1 << 20, rehash=rehash), tmp_path / f"dst{rehash}")
 
 
 def test_best_fit_and_planner_agree() -> None:

@@ -192,22 +192,22 @@ class NodeAgent:
         if path.exists():
             shutil.rmtree(path, ignore_errors=True)
 
-    def stream_image(self, image_dir: str, chunk_bytes: int = 8 << 20) -> Iterator[tuple]:
+    def stream_image(self, image_dir: str, chunk_bytes: int = 16 << 20) -> Iterator[tuple]:
         """Chunks of an image for a peer agent (a Ray streaming generator)."""
         from relocator.agent.transfer import iter_chunks
 
         yield from iter_chunks(image_dir, chunk_bytes)
 
     def receive_image(self, src_node: str, src_image_dir: str, dst_image_dir: str,
-                      chunk_bytes: int = 8 << 20) -> dict[str, Any]:
+                      chunk_bytes: int = 16 << 20) -> dict[str, Any]:
         """Pull an image from the agent of `src_node`, chunk by chunk, checksummed."""
         import ray
 
         from relocator.agent.transfer import receive_chunks
 
         src = ray.get_actor(agent_name(src_node), namespace=NAMESPACE)
-        # at most 8 chunks in flight: the image never has to fit in the object store
-        gen = src.stream_image.options(num_returns="streaming", _generator_backpressure_num_objects=8).remote(
+        # at most 4 chunks in flight: the image never has to fit in the object store
+        gen = src.stream_image.options(num_returns="streaming", _generator_backpressure_num_objects=4).remote(
             src_image_dir, chunk_bytes)
 
         def chunks() -> Iterator[tuple]:

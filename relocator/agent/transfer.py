@@ -16,28 +16,31 @@ from typing import Callable, Iterable, Iterator
 
 from relocator.snapshot.manifest import MANIFEST, ImageError, read_manifest
 
-CHUNK = 8 << 20
+CHUNK = 16 << 20
 
 Chunk = tuple[str, int, bytes, "str | None"]
 
 
-def iter_chunks(image_dir: str | Path, chunk_bytes: int = CHUNK) -> Iterator[Chunk]:
+def iter_chunks(image_dir: str | Path, chunk_bytes: int = CHUNK, rehash: bool = False) -> Iterator[Chunk]:
     """Every file of the image in chunks; the manifest comes last. The final chunk of each
-    file carries that file's sha256 as computed while reading."""
+    file carries that file's sha256: the manifest's (the receiver checks the bytes it got
+    against it), or with `rehash` the one computed while reading (catches a file changed on
+    the sender's disk since the dump, at the cost of hashing on both sides)."""
     image_dir = Path(image_dir)
     manifest = read_manifest(image_dir)
     names = sorted(manifest.files) + [MANIFEST]
     for name in names:
         path = image_dir / name
-        h = hashlib.sha256()
+        h = hashlib.sha256() if (rehash or name == MANIFEST) else None
         offset = 0
         with open(path, "rb") as fh:
             while True:
                 data = fh.read(chunk_bytes)
-                h.update(data)
+                if h is not None:
+                    h.update(data)
                 last = len(data) < chunk_bytes
                 if not data or last:
-                    yield (name, offset, data, h.hexdigest())
+                    yield (name, offset, data, h.hexdigest() if h is not None else manifest.files[name].sha256)
                     break
                 yield (name, offset, data, None)
                 offset += len(data)
@@ -82,7 +85,8 @@ def receive_chunks(chunks: Iterable[Chunk], dst_dir: str | Path,
                 fh.close()
                 fh = None
                 if h.hexdigest() != digest:
-                    raise TransferError(f"{name}: sha256 of received data differs from the sender's")
+                    raise TransferError(f"{name}: sha256 of the received data differs from the sender's "
+                                        "(damaged in transit or on the sender's disk)")
                 received[name] = digest
                 cur_name = None
         if fh is not None:
