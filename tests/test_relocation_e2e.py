@@ -149,6 +149,32 @@ def test_controller_killed_mid_relocation(relocator_cluster, w1, ref, phase: str
     greedy_ok(ctl.router_url, ref)
 
 
+def test_agent_restart_readopts_cells(relocator_cluster, w1, ref) -> None:
+    """Cells are not the agent's children: kill the agent actor, Ray restarts it, it re-adopts
+    the worker's cell, which never stopped serving."""
+    import ray
+
+    from relocator.agent import NAMESPACE, agent_name
+
+    ctl = relocator_cluster
+    (w,) = [w for w in ctl.status()["workers"] if w["id"] == w1]
+    agent = ray.get_actor(agent_name(w["node"]), namespace=NAMESPACE)
+    pid = ray.get(agent.ping.remote())["pid"]
+    ray.kill(agent, no_restart=False)
+    deadline = time.monotonic() + 60
+    info = None
+    while time.monotonic() < deadline:
+        try:
+            info = ray.get(agent.ping.remote(), timeout=10)
+            if info["pid"] != pid:
+                break
+        except Exception:  # noqa: BLE001 - restarting
+            time.sleep(0.3)
+    assert info and info["pid"] != pid and w["cell"] in info["adopted"]
+    assert live_cells(ctl, w1) == [(w["node"], w["cell"])]
+    greedy_ok(ctl.router_url, ref)
+
+
 def test_drain_node_with_two_workers(relocator_cluster, w1, ref) -> None:
     """Both workers on one node move off it, live, the image streamed agent to agent."""
     ctl = relocator_cluster
@@ -158,7 +184,7 @@ def test_drain_node_with_two_workers(relocator_cluster, w1, ref) -> None:
 
     load = Load(ctl.router_url, MODEL, ref, MAX_TOKENS, 8).start()
     time.sleep(1.0)
-    out = ctl.drain(node, transfer="stream")
+    out = ctl.drain(node, parallel=2, transfer="stream")  # two workers move at the same time
     load.stop()
     rep = load.report()
     assert out["drained"] and out["workers_left"] == [], out
