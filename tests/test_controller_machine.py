@@ -71,9 +71,10 @@ class FakeBackend:
         self.images.add((dst, dst_image_dir))
         return {"bytes": 1234, "chunks": 3}
 
-    def restore(self, node, image_dir, cell):
+    def restore(self, node, image_dir, cell, verified=False):
         self.cells[(node, cell)] = "running"
         self._call("restore", node, cell)
+        self.restore_verified = verified
         return {"endpoint": f"http://{node}/{cell}", "cell_id": cell}
 
     def cell_state(self, node, cell):
@@ -135,6 +136,7 @@ def test_stream_transfer_and_target_choice(env) -> None:
     rel = Machine(store, be).run(Relocation(id="r1", worker="w1", src="n1", transfer="stream"))
     assert rel.result == DONE and rel.dst == "n2"
     assert ("transfer", "n1", "n2") in be.calls
+    assert be.restore_verified  # streamed bytes were hashed on arrival: no second pass
     assert rel.dst_image_dir == "/img/n2/r1" and be.images == set()
 
 
@@ -243,7 +245,7 @@ def test_crash_after_restore_completed_rolls_back_cleanly(env) -> None:
     store, be = env
     orig = be.restore
 
-    def restore_then_die(node, image_dir, cell):
+    def restore_then_die(node, image_dir, cell, verified=False):
         orig(node, image_dir, cell)
         raise SimulatedCrash()
 

@@ -38,6 +38,10 @@ def test_stream_roundtrip_is_verified(tmp_path: Path, rehash: bool) -> None:
     for p in src.iterdir():
         assert (tmp_path / "dst" / p.name).read_bytes() == p.read_bytes()
     assert read_manifest(tmp_path / "dst").files == read_manifest(src).files
+    from relocator.snapshot.manifest import stamp_is_fresh
+
+    # hashed on arrival: restore("auto") will not hash these files again
+    assert stamp_is_fresh(tmp_path / "dst", read_manifest(tmp_path / "dst"))
 
 
 @pytest.mark.parametrize("damage", ["flip", "drop", "truncate_stream"])

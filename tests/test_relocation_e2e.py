@@ -200,6 +200,26 @@ def test_drain_node_with_two_workers(relocator_cluster, w1, ref) -> None:
     greedy_ok(ctl.router_url, ref)
 
 
+def test_router_restart_gets_every_worker_back(relocator_cluster, w1, ref) -> None:
+    """The router loses its table when it restarts; the daemon restarts it and the
+    controller's reconcile loop registers every running worker again."""
+    import os
+    import signal
+
+    ctl = relocator_cluster
+    router_pid = ctl.info["pids"][-1]
+    os.kill(router_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            greedy_ok(ctl.router_url, ref, n=1)
+            break
+        except (AssertionError, aiohttp.ClientError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def test_cli_status_json_and_clean_errors(relocator_cluster, w1) -> None:
     import json
     import subprocess

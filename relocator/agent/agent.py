@@ -146,13 +146,17 @@ class NodeAgent:
             if cell.is_stopped():
                 resume_source(cell)
 
-    def restore(self, image_dir: str, cell_id: str, ready_timeout: float = 120.0) -> dict[str, Any]:
+    def restore(self, image_dir: str, cell_id: str, ready_timeout: float = 120.0,
+                verify: str = "auto") -> dict[str, Any]:
+        """Restore into cell `cell_id`. `verify` as in `RestoreTarget`: "auto" re-hashes the
+        files unless this host hashed these very files already (a dump here, or a verified
+        transfer, leaves a stamp); the manifest digest and the fingerprint are always checked."""
         from relocator.snapshot import RestoreTarget, restore
         from relocator.worker import wait_ready
 
         with self._lock(cell_id):
             t0 = time.monotonic()
-            cell = restore(Path(image_dir), RestoreTarget(cell_id=cell_id))
+            cell = restore(Path(image_dir), RestoreTarget(cell_id=cell_id, verify=verify))
             restored = time.monotonic() - t0
             try:
                 ready = asyncio.run(wait_ready(cell, timeout=ready_timeout, poll=0.05))

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from relocator.snapshot.manifest import MANIFEST, ImageError, read_manifest
+from relocator.snapshot.manifest import MANIFEST, ImageError, read_manifest, write_stamp
 
 CHUNK = 16 << 20
 
@@ -100,6 +100,7 @@ def receive_chunks(chunks: Iterable[Chunk], dst_dir: str | Path,
         for name, entry in manifest.files.items():
             if received[name] != entry.sha256:
                 raise TransferError(f"{name}: received sha256 differs from the manifest")
+        write_stamp(dst_dir, manifest)  # every byte was hashed here: restore need not re-hash
     except BaseException:
         if fh is not None:
             fh.close()

@@ -93,8 +93,10 @@ class RayBackend:
     def transfer(self, src: str, dst: str, image_dir: str, dst_image_dir: str) -> dict:
         return self.call(dst, "receive_image", src, image_dir, dst_image_dir)
 
-    def restore(self, node: str, image_dir: str, cell_id: str) -> dict:
-        return self.call(node, "restore", image_dir, cell_id)
+    def restore(self, node: str, image_dir: str, cell_id: str, verified: bool = False) -> dict:
+        # "auto": a streamed image was hashed on arrival and stamped, a dump on this host
+        # stamped its own files; anything else is hashed again before it is restored
+        return self.call(node, "restore", image_dir, cell_id, verify="auto")
 
     def cell_state(self, node: str, cell_id: str) -> str:
         deadline = time.monotonic() + AGENT_TIMEOUT_S

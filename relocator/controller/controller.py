@@ -96,7 +96,7 @@ class Controller:
 
     def reconcile_once(self) -> dict:
         stats = {}
-        for step in (self.update_nodes, self.update_workers, self.update_reservations):
+        for step in (self.update_nodes, self.update_workers, self.update_router, self.update_reservations):
             t0 = time.monotonic()
             try:
                 step()
@@ -121,6 +121,25 @@ class Controller:
                 if state == "absent":
                     w.state, w.error = "failed", f"cell {w.cell_id} is gone"
                     self.store.save_worker(w)
+
+    def update_router(self) -> None:
+        """The router's table vs the workers: a router that restarted (empty table) or missed
+        an update gets every running worker back at its current endpoint."""
+        if not self.router_control_url:
+            return
+        rc = self.router()
+        table = rc.replicas()
+        seen = {r["worker_id"]: r for reps in table.get("models", {}).values() for r in reps}
+        for w in self.store.workers():
+            if w.state != "running" or w.id in self._busy:
+                continue
+            r = seen.get(w.id)
+            if r is None or r.get("endpoint", "").rstrip("/") != w.endpoint.rstrip("/"):
+                with self._lock:
+                    if w.id in self._busy:
+                        continue
+                    rc.add_replica(w.id, w.model, w.endpoint)
+                    log.warning("router: re-registered %s at %s", w.id, w.endpoint)
 
     def update_reservations(self) -> None:
         """Placement groups named relocator-* that no worker or open relocation owns are freed."""
