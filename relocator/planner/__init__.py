@@ -6,7 +6,8 @@ The controller calls::
     cluster = planner.Cluster([planner.NodeSpec("n1", 64000, 262144, 8, "A100"), ...])
     cluster.add(planner.Workload("w1", 8000, 32768, num_gpu=2, gpu_milli=1000), "n1")
     planner.place(cluster, workload, policy="fgd")          # Placement | None
-    planner.defragment(cluster, workload, max_moves=2)      # Plan | None (moves, then placement)
+    planner.defragment(cluster, workload, max_moves=4)      # Plan | None (moves, then placement)
+    planner.plan_gain_milli(cluster, plan, workload, cpu_per_gpu, mem_per_gpu)  # GPU share a plan wins
     planner.evacuate(cluster, "n1")                         # Plan (drain a node)
     planner.consolidate(cluster, max_moves=10)              # Plan (free whole nodes)
     planner.apply_plan(cluster, plan, workload)             # execute, each step checked
@@ -22,7 +23,17 @@ from relocator.planner.cluster import (
     PlannerError,
     Workload,
 )
-from relocator.planner.planners import apply_plan, consolidate, defragment, evacuate, place
+from relocator.planner.planners import (
+    apply_plan,
+    consolidate,
+    defragment,
+    evacuate,
+    place,
+    placeable_elsewhere,
+    plan_gain_milli,
+    usable_gpu_milli,
+    victim_sets,
+)
 from relocator.planner.policies import (
     BestFitPolicy,
     DotProductPolicy,
@@ -62,6 +73,10 @@ __all__ = [
     "fragmentation",
     "get_policy",
     "place",
+    "placeable_elsewhere",
+    "plan_gain_milli",
     "policy_names",
     "register_policy",
+    "usable_gpu_milli",
+    "victim_sets",
 ]

@@ -9,7 +9,8 @@
    per-GPU share ``gpu_milli`` of the drawn pod; we keep that quirk);
 3. each pod is placed by the policy where CPU, memory and GPU fit, or fails and is dropped; no
    departures. With ``relocate``, a pod that fits nowhere triggers the defragmentation planner
-   (at most ``moves_per_pod`` moves for it, ``max_moves`` in total);
+   (at most ``moves_per_pod`` moves for it, ``max_moves`` in total), and its plan is carried out
+   only if it is worth ``min_gain_milli`` of GPU share per move;
 4. after each pod: allocated GPU vs arrived GPU demand. The figure at x% load is the mean
    allocation over the pods where arrived demand rounds to x% (the authors' analysis script).
 """
