@@ -106,6 +106,9 @@ class Machine:
             crash["fired"] = True
             self._save(rel)
             self.on_crash(float(crash.get("after_s", 0.0)))
+        pause = rel.faults.get("pause")  # chaos: a window to act from outside before the phase
+        if pause and pause.get("phase") == phase:
+            time.sleep(float(pause.get("s", 1.0)))
 
     def _leave(self, rel: Relocation, ok: bool, info: dict | None = None) -> None:
         cur = rel.phases[-1]

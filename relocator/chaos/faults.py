@@ -1,0 +1,161 @@
+"""The fault catalogue, the move schedule and the outcome checks: pure, tested with fakes.
+
+Each fault says at which relocation phase it is injected, how (the runner does it with the
+real mechanism: a killed actor or process, a corrupted file, a stopped raylet) and what must
+follow: the relocation's result, the worker serving again (within `serve_target_s` of the
+fault being detected), and nothing left behind.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+PHASES = ("PLAN", "RESERVE", "HOLD", "DUMP", "TRANSFER", "RESTORE", "SWITCH", "RELEASE")
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    phase: str  # the relocation phase during which it is injected
+    expect: tuple[str, ...]  # acceptable relocation results
+    how: str
+    transfer: str | None = None  # forces the transfer mode of its relocation
+    controller_faults: tuple[tuple[str, Any], ...] = ()  # passed to relocate(faults=...)
+    destructive: bool = False  # leaves the cluster smaller (node taken away)
+    requests_may_fail: bool = False  # the fault itself cuts client connections
+
+    def relocate_faults(self) -> dict[str, Any]:
+        return {k: (dict(v) if isinstance(v, tuple) else v) for k, v in self.controller_faults}
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["controller_faults"] = self.relocate_faults()
+        return d
+
+
+FAULTS: dict[str, Fault] = {f.name: f for f in (
+    Fault("kill-source-agent", "DUMP", ("rolled_back",),
+          "SIGKILL the source node's agent actor (ray.kill) while CRIU dumps its cell"),
+    Fault("cut-transfer", "TRANSFER", ("rolled_back",),
+          "streamed transfer: SIGKILL the sending agent while the target pulls the image",
+          transfer="stream"),
+    Fault("flip-byte", "RESTORE", ("rolled_back",),
+          "flip one byte in the middle of the largest image file after DUMP, before RESTORE "
+          "verifies it (the controller pauses 1 s before RESTORE: `pause` fault hook)",
+          controller_faults=(("pause", (("phase", "RESTORE"), ("s", 1.0))),)),
+    Fault("kill-target-cell", "RESTORE", ("rolled_back",),
+          "SIGKILL the cell being restored on the target (the tasks under `criu restore`, or "
+          "the restored cell's init) while RESTORE runs"),
+    Fault("kill-controller", "DUMP", ("rolled_back",),
+          "SIGKILL the controller actor's process during DUMP; Ray restarts it and it recovers "
+          "the open relocation"),
+    Fault("kill-controller-switch", "SWITCH", ("done",),
+          "SIGKILL the controller actor's process when SWITCH starts (pause 0.5 s before "
+          "SWITCH); the restarted controller completes the move",
+          controller_faults=(("pause", (("phase", "SWITCH"), ("s", 0.5))),)),
+    Fault("restart-router", "DUMP", ("done", "rolled_back"),
+          "SIGTERM the router during DUMP (streams are held); the cluster daemon restarts it "
+          "and the controller re-registers the workers", requests_may_fail=True),
+    Fault("node-loss", "RESTORE", ("rolled_back",),
+          "SIGKILL the target node's raylet during RESTORE: the node is gone for good",
+          destructive=True),
+)}
+
+SMOKE_FAULTS = tuple(FAULTS)
+
+
+def parse_faults(spec: str | Sequence[str] | None) -> list[str]:
+    """"all", "none", "" or a comma list of names from FAULTS."""
+    if spec is None:
+        return []
+    items = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
+    if items in (["all"], ["*"]):
+        return list(FAULTS)
+    if items in ([], ["none"]):
+        return []
+    bad = [i for i in items if i not in FAULTS]
+    if bad:
+        raise ValueError(f"unknown fault(s) {', '.join(bad)}; known: {', '.join(FAULTS)}")
+    return items
+
+
+@dataclass
+class Step:
+    index: int
+    worker: str
+    dst: str
+    fault: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def make_schedule(moves: int, faults: Sequence[str], workers: dict[str, str], nodes: Sequence[str],
+                  seed: int = 0) -> list[Step]:
+    """`moves` plain forced moves plus one move per fault, in a seeded random order (destructive
+    faults last). Targets are chosen later (`pick_target`) because the cluster changes; the
+    `dst` here is a seeded preference. `workers`: {worker: node}."""
+    rng = random.Random(seed)
+    kinds: list[str | None] = [None] * moves + [f for f in faults if not FAULTS[f].destructive]
+    rng.shuffle(kinds)
+    kinds += [f for f in faults if FAULTS[f].destructive]
+    wids = sorted(workers)
+    steps = []
+    for i, k in enumerate(kinds):
+        w = wids[rng.randrange(len(wids))] if wids else ""
+        others = [n for n in nodes if n != workers.get(w)]
+        steps.append(Step(i, w, rng.choice(others) if others else "", k))
+    return steps
+
+
+def pick_target(worker_node: str, gpus: int, free: dict[str, int], alive: Sequence[str],
+                preferred: str, rng: random.Random) -> str | None:
+    """The preferred node if it is another live node with room, else a random one that fits."""
+    fits = [n for n in alive if n != worker_node and free.get(n, 0) >= gpus]
+    if preferred in fits:
+        return preferred
+    return rng.choice(sorted(fits)) if fits else None
+
+
+@dataclass
+class Outcome:
+    fault: str | None
+    result: str | None
+    ok: bool
+    problems: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def check_outcome(fault: Fault | None, rel: dict[str, Any] | None, *, injected: bool,
+                  serving: bool, serve_again_s: float | None, failed_requests: int,
+                  leaked: dict[str, list] | None, serve_target_s: float = 2.0) -> Outcome:
+    """Compare what happened with what `fault` (None: a plain move) must lead to."""
+    problems: list[str] = []
+    result = rel.get("result") if rel else None
+    if rel is None:
+        problems.append("relocation record missing")
+    elif fault is None:
+        if result != "done":
+            problems.append(f"plain move ended {result}: {rel.get('error', '')[:200]}")
+    else:
+        if not injected:
+            problems.append(f"fault not injected (phase {fault.phase} passed before it could act)")
+        elif result not in fault.expect:
+            problems.append(f"expected {'/'.join(fault.expect)}, got {result}: {rel.get('error', '')[:200]}")
+        rb = (rel or {}).get("rollback") or {}
+        if rb.get("errors"):
+            problems.append("rollback errors: " + "; ".join(map(str, rb["errors"]))[:300])
+    if not serving:
+        problems.append("worker not serving afterwards")
+    elif fault is not None and injected and serve_again_s is not None and serve_again_s > serve_target_s:
+        problems.append(f"serving again after {serve_again_s:.2f}s > {serve_target_s:g}s")
+    if failed_requests and not (fault is not None and fault.requests_may_fail):
+        problems.append(f"{failed_requests} request(s) failed")
+    for kind, items in (leaked or {}).items():
+        if items:
+            problems.append(f"leaked {kind}: {', '.join(map(str, items))[:200]}")
+    return Outcome(fault.name if fault else None, result, not problems, problems)

@@ -1,0 +1,115 @@
+"""What a relocation may leave behind, collected before and after and compared.
+
+Kinds: `cells` (recorded under each node's state dir), `netns` (`ip netns` entries `rl-*`),
+`images` (directories under each node's images dir), `placement_groups` (`relocator-*`, not
+removed), `processes` (vLLM processes started by this cluster that are in no recorded cell).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any, Iterable
+
+KINDS = ("cells", "netns", "images", "placement_groups", "processes")
+
+
+def diff_leaks(before: dict[str, Iterable[str]], after: dict[str, Iterable[str]],
+               expected: dict[str, Iterable[str]] | None = None) -> dict[str, list[str]]:
+    """Per kind: what is in `after` but neither in `before` nor in `expected` (the things that
+    should exist now, e.g. the workers' current cells)."""
+    expected = expected or {}
+    out = {}
+    for k in KINDS:
+        extra = set(after.get(k, ())) - set(before.get(k, ())) - set(expected.get(k, ()))
+        out[k] = sorted(extra)
+    return out
+
+
+def total(leaked: dict[str, list]) -> int:
+    return sum(len(v) for v in leaked.values())
+
+
+# ---- collectors (real system) -----------------------------------------------------------------
+def _with_state_dir(state: Path, fn):
+    old = os.environ.get("RELOCATOR_STATE_DIR")
+    os.environ["RELOCATOR_STATE_DIR"] = str(state)
+    try:
+        return fn()
+    finally:
+        if old is None:
+            os.environ.pop("RELOCATOR_STATE_DIR", None)
+        else:
+            os.environ["RELOCATOR_STATE_DIR"] = old
+
+
+def cells(base: Path) -> dict[str, Any]:
+    """{"<node>/<cell>": cell} for every cell recorded under base/nodes/*/state."""
+    from relocator.cell.cell import list_cells
+
+    out = {}
+    for state in sorted(Path(base).glob("nodes/*/state")):
+        for c in _with_state_dir(state, list_cells):
+            out[f"{state.parent.name}/{c.id}"] = c
+    return out
+
+
+def netns() -> set[str]:
+    try:
+        txt = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return {ln.split()[0] for ln in txt.splitlines() if ln.strip().startswith("rl-")}
+
+
+def images(base: Path) -> set[str]:
+    return {f"{d.parent.parent.name}/{d.name}" for d in Path(base).glob("nodes/*/images/*")}
+
+
+def placement_groups() -> set[str]:
+    import ray
+
+    return {f"{pg.get('name')}" for pg in ray.util.placement_group_table().values()
+            if str(pg.get("name", "")).startswith("relocator-") and pg.get("state") != "REMOVED"}
+
+
+def _pidns(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def vllm_processes(base: Path, live_cells: Iterable[Any]) -> set[str]:
+    """vLLM processes whose RELOCATOR_STATE_DIR is under `base` and whose PID namespace is not
+    that of a recorded, live cell: strays."""
+    base_s = str(Path(base).resolve())
+    cell_ns = {_pidns(c.init_pid) for c in live_cells if c.is_alive()} - {None}
+    out = set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{d}/cmdline").read_bytes()
+            if b"vllm" not in cmd:
+                continue
+            env = Path(f"/proc/{d}/environ").read_bytes()
+        except OSError:
+            continue
+        if f"RELOCATOR_STATE_DIR={base_s}".encode() not in env:
+            continue
+        if _pidns(int(d)) in cell_ns:
+            continue
+        exe = cmd.split(b"\x00")[0].decode(errors="replace")[-40:]
+        out.add(f"{d}:{exe}")
+    return out
+
+
+def collect(base: str | Path, with_ray: bool = True) -> dict[str, set[str]]:
+    base = Path(base)
+    cs = cells(base)
+    snap = {"cells": set(cs), "netns": netns(), "images": images(base),
+            "placement_groups": placement_groups() if with_ray else set(),
+            "processes": vllm_processes(base, cs.values())}
+    return snap

@@ -1,0 +1,581 @@
+"""`run_chaos`: forced relocations and injected faults under streaming load, checked.
+
+The load (loadtests.run_load, greedy requests checked token by token against a reference taken
+directly from a worker) runs on its own thread and event loop for the whole scenario. Moves run
+one at a time; a fault is injected from outside the controller with the real mechanism, while
+the runner watches the relocation's persisted phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+from relocator.chaos import leaks as L
+from relocator.chaos.faults import FAULTS, SMOKE_FAULTS, Fault, Step, check_outcome, make_schedule, pick_target
+
+MODEL = "tiny-llama"
+
+
+@dataclass
+class ChaosConfig:
+    duration_s: float | None = None  # stop scheduling moves after this long (None: all moves)
+    moves: int = 4  # plain forced moves (faults add one move each)
+    moves_per_minute: float = 0.0  # 0: back to back
+    faults: list[str] = field(default_factory=list)
+    streams: int = 4
+    workers: int = 1
+    gpus: int = 1
+    output_tokens: tuple[int, ...] = (32, 96)
+    seed: int = 0
+    serve_target_s: float = 2.0
+    move_timeout_s: float = 240.0
+    png: str | None = None
+    cluster_dir: str = "/var/lib/relocator/chaos"
+    nodes: int = 3
+    gpus_per_node: int = 4
+    stop_workers: bool = True  # stop the workers it launched at the end
+
+    @classmethod
+    def smoke(cls, **kw: Any) -> "ChaosConfig":
+        base = dict(moves=3, faults=list(SMOKE_FAULTS), streams=4, workers=1)
+        base.update({k: v for k, v in kw.items() if v is not None})
+        return cls(**base)
+
+
+# ---- small helpers -----------------------------------------------------------------------------
+def _post_ok(url: str, timeout: float = 5.0) -> bool:
+    body = json.dumps({"model": MODEL, "prompt": "probe", "max_tokens": 1, "temperature": 0}).encode()
+    req = urllib.request.Request(url.rstrip("/") + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status == 200 and b"choices" in r.read()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _procs() -> list[tuple[int, int, str]]:
+    """(pid, ppid, cmdline) of every process."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\x00", b" ").decode(errors="replace")
+            ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        out.append((int(d), ppid, cmd))
+    return out
+
+
+def _descendants(root: int, procs: list[tuple[int, int, str]]) -> list[int]:
+    kids: dict[int, list[int]] = {}
+    for pid, ppid, _ in procs:
+        kids.setdefault(ppid, []).append(pid)
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        for c in kids.get(p, []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _kill(pid: int, sig: int = signal.SIGKILL) -> bool:
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+class _Probe:
+    """Probes endpoints directly (max_tokens=1) on a thread and records when each answered."""
+
+    def __init__(self) -> None:
+        self.endpoints: list[str] = []
+        self.ok: dict[str, list[tuple[float, float]]] = {}  # endpoint -> [(sent, answered)]
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def add(self, ep: str | None) -> None:
+        if ep and ep not in self.endpoints:
+            self.endpoints.append(ep)
+
+    def _one(self, ep: str) -> None:
+        while not self._stop.is_set():
+            t0 = time.time()
+            if _post_ok(ep, timeout=3.0):
+                self.ok.setdefault(ep, []).append((t0, time.time()))
+            self._stop.wait(0.05)
+
+    def _run(self) -> None:
+        started: set[str] = set()
+        while not self._stop.is_set():
+            for ep in list(self.endpoints):
+                if ep not in started:
+                    started.add(ep)
+                    threading.Thread(target=self._one, args=(ep,), daemon=True).start()
+            self._stop.wait(0.02)
+
+    def start(self) -> "_Probe":
+        self._t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def serving_at(self, ep: str, since: float) -> float | None:
+        """When `ep` answered a probe sent at or after `since` (serving again)."""
+        xs = [b for a, b in self.ok.get(ep, []) if a >= since - 0.05]
+        return min(xs) if xs else None
+
+
+# ---- the injector ---------------------------------------------------------------------------------
+class Injector:
+    """Acts on the real system when the relocation reaches the fault's phase."""
+
+    def __init__(self, ctl: Any, base: Path, fault: Fault, worker: dict) -> None:
+        self.ctl, self.base, self.fault, self.worker = ctl, base, fault, worker
+        self.injected = False
+        self.at: float | None = None  # wall time of the injection
+        self.detail: dict[str, Any] = {}
+
+    def ready(self, rel: dict) -> bool:
+        return rel.get("phase") == self.fault.phase and rel.get("result") == "running"
+
+    def act(self, rel: dict, still: Callable[[], dict]) -> None:
+        getattr(self, "_" + self.fault.name.replace("-", "_"))(rel, still)
+
+    def _mark(self, **detail: Any) -> None:
+        self.injected, self.at = True, time.time()
+        self.detail.update(detail)
+
+    def _agent_pid(self, node: str) -> int | None:
+        import ray
+
+        from relocator.agent import NAMESPACE, agent_name
+
+        try:
+            return ray.get(ray.get_actor(agent_name(node), namespace=NAMESPACE).ping.remote(), timeout=10)["pid"]
+        except Exception:  # noqa: BLE001
+            return None
+
+    def _kill_agent(self, node: str, **detail: Any) -> None:
+        import ray
+
+        from relocator.agent import NAMESPACE, agent_name
+
+        ray.kill(ray.get_actor(agent_name(node), namespace=NAMESPACE), no_restart=False)
+        self._mark(killed_agent=node, **detail)
+
+    def _kill_source_agent(self, rel: dict, still) -> None:
+        rid = rel["id"]
+        deadline = time.monotonic() + 5
+        seen = False
+        while time.monotonic() < deadline and not seen:  # CRIU dump in flight
+            seen = any("criu" in c and "dump" in c and rid in c for _, _, c in _procs())
+            if not seen:
+                time.sleep(0.01)
+        if still().get("phase") != "DUMP":
+            return
+        self._kill_agent(rel["src"], criu_dump_running=seen)
+
+    def _cut_transfer(self, rel: dict, still) -> None:
+        if still().get("phase") != "TRANSFER":
+            return
+        self._kill_agent(rel["src"], side="sender")
+
+    def _flip_byte(self, rel: dict, still) -> None:
+        img = Path(rel.get("dst_image_dir") or rel["image_dir"])
+        files = [p for p in img.iterdir() if p.is_file() and p.name.endswith(".img")]
+        if not files:
+            return
+        big = max(files, key=lambda p: p.stat().st_size)
+        off = big.stat().st_size // 2
+        with open(big, "r+b") as fh:
+            fh.seek(off)
+            b = fh.read(1)
+            fh.seek(off)
+            fh.write(bytes([b[0] ^ 0xFF]))
+        self._mark(file=str(big), offset=off)
+
+    def _kill_target_cell(self, rel: dict, still) -> None:
+        rid, dst_cell = rel["id"], rel.get("dst_cell")
+        cell_json = self.base / "nodes" / rel["dst"] / "state" / "cells" / dst_cell / "cell.json"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            procs = _procs()
+            for pid, _, cmd in procs:
+                if "criu" in cmd and "restore" in cmd and rid in cmd:
+                    kids = _descendants(pid, procs)
+                    if kids:
+                        for k in kids:
+                            _kill(k)
+                        self._mark(killed="tasks under criu restore", pids=kids)
+                        return
+            if cell_json.exists():
+                try:
+                    init = json.loads(cell_json.read_text())["init_pid"]
+                except (OSError, ValueError, KeyError):
+                    init = None
+                if init and still().get("phase") == "RESTORE" and _kill(int(init)):
+                    self._mark(killed="restored cell init", pids=[init])
+                    return
+            if still().get("phase") != "RESTORE":
+                return
+            time.sleep(0.005)
+
+    def _kill_controller(self, rel: dict, still) -> None:
+        import ray
+
+        from relocator.agent import NAMESPACE
+        from relocator.controller.controller import CONTROLLER_NAME
+
+        h = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+        pid = ray.get(h.ping.remote(), timeout=10)["pid"]
+        if still().get("phase") != self.fault.phase:
+            return
+        _kill(pid)
+        self._mark(controller_pid=pid)
+
+    _kill_controller_switch = _kill_controller
+
+    def _restart_router(self, rel: dict, still) -> None:
+        from loadtests.abuse import listener_pid
+
+        port = int(self.ctl.router_url.rsplit(":", 1)[1])
+        pid = listener_pid(port)
+        if pid and _kill(pid, signal.SIGTERM):
+            self._mark(router_pid=pid)
+
+    def _node_loss(self, rel: dict, still) -> None:
+        import ray
+
+        node = rel["dst"]
+        ids = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and f"relocator_node:{node}" in n.get("Resources", {})]
+        if not ids:
+            return
+        for pid, _, cmd in _procs():
+            if "raylet" in cmd.split(" ")[0] and f"--node_id={ids[0]}" in cmd:
+                _kill(pid)
+                self._mark(node=node, raylet_pid=pid)
+                return
+
+
+# ---- the run --------------------------------------------------------------------------------------
+class _LoadThread:
+    def __init__(self, cfg) -> None:
+        from loadtests import run_load
+
+        self.loop = asyncio.new_event_loop()
+        self.stop_ev: asyncio.Event | None = None
+        self.report = None
+        self.error: BaseException | None = None
+
+        async def main():
+            self.stop_ev = asyncio.Event()
+            return await run_load(cfg, stop=self.stop_ev)
+
+        def body():
+            try:
+                self.report = self.loop.run_until_complete(main())
+            except BaseException as exc:  # noqa: BLE001
+                self.error = exc
+
+        self.t = threading.Thread(target=body, daemon=True)
+
+    def start(self) -> "_LoadThread":
+        self.t.start()
+        return self
+
+    def stop(self, timeout: float = 300) -> Any:
+        while self.stop_ev is None and self.t.is_alive():
+            time.sleep(0.05)
+        if self.stop_ev is not None:
+            self.loop.call_soon_threadsafe(self.stop_ev.set)
+        self.t.join(timeout)
+        if self.error:
+            raise self.error
+        return self.report
+
+
+def _rel(ctl, rid: str) -> dict:
+    while True:
+        try:
+            return ctl.get_relocation(rid) or {}
+        except Exception:  # noqa: BLE001 - the controller is restarting
+            time.sleep(0.1)
+
+
+def _status(ctl, tries: int = 600) -> dict:
+    for _ in range(tries):
+        try:
+            return ctl.status()
+        except Exception:  # noqa: BLE001
+            time.sleep(0.2)
+    return ctl.status()
+
+
+def _detected_at(rel: dict, inj: Injector | None) -> float | None:
+    """Fault detection: the end of the first failed phase, else the injection itself."""
+    for p in rel.get("phases", []):
+        if p.get("ok") is False and p.get("ended"):
+            return float(p["ended"])
+    return inj.at if inj and inj.injected else None
+
+
+def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConfig, say) -> dict[str, Any]:
+    fault = FAULTS[step.fault] if step.fault else None
+    t_start = time.time()
+    s = ctl.relocate(worker["id"], to=dst, transfer=fault.transfer if fault else None,
+                     faults=fault.relocate_faults() if fault else None, wait=False)
+    rid = s["id"]
+    inj = Injector(ctl, base, fault, worker) if fault else None
+    probe = _Probe().start() if fault else None
+    if probe:
+        probe.add(worker["endpoint"])
+    state: dict[str, Any] = {}
+
+    def still() -> dict:
+        state["rel"] = _rel(ctl, rid)
+        return state["rel"]
+
+    deadline = time.monotonic() + cfg.move_timeout_s
+    rel = still()
+    while rel.get("result") == "running" and time.monotonic() < deadline:
+        if probe and rel.get("dst_endpoint"):
+            probe.add(rel["dst_endpoint"])
+        if inj and not inj.injected and inj.ready(rel):
+            try:
+                inj.act(rel, still)
+            except Exception as exc:  # noqa: BLE001
+                inj.detail["error"] = f"{type(exc).__name__}: {exc}"
+            if not inj.injected:
+                inj.fault_missed = True
+        time.sleep(0.02)
+        rel = still()
+    timed_out = rel.get("result") == "running"
+    # serving again: a probe to the worker's endpoint now, answered
+    st = _status(ctl)
+    w = next((x for x in st["workers"] if x["id"] == worker["id"]), None)
+    ep = w["endpoint"] if w else None
+    serving = False
+    serve_again = None
+    if w and w["state"] == "running":
+        if probe:
+            probe.add(ep)
+        t_end = time.monotonic() + 30
+        while time.monotonic() < t_end and not serving:
+            serving = _post_ok(ep, timeout=5)
+            if not serving:
+                time.sleep(0.2)
+    if probe:
+        det = _detected_at(rel, inj)
+        if det is not None and ep:
+            at = probe.serving_at(ep, det)
+            serve_again = round(at - det, 3) if at else None
+        probe.stop()
+    out = {"step": step.index, "fault": step.fault, "relocation": rid, "worker": worker["id"],
+           "from": rel.get("src"), "to": dst, "result": "timeout" if timed_out else rel.get("result"),
+           "error": (rel.get("error") or "")[:300], "recovered": rel.get("recovered"),
+           "phases": {p["name"]: round(p["ended"] - p["started"], 3) for p in rel.get("phases", []) if p.get("ended")},
+           "phase_times": [(p["name"], p["started"], p["ended"]) for p in rel.get("phases", []) if p.get("ended")],
+           "rollback": rel.get("rollback") or {}, "started_at": t_start, "ended_at": time.time(),
+           "worker_after": {k: w.get(k) for k in ("node", "state", "cell", "endpoint")} if w else None,
+           "serving": serving}
+    if inj:
+        out.update(injected=inj.injected, injected_at=inj.at, detected_at=_detected_at(rel, inj),
+                   serve_again_s=serve_again, source_serving_s=(rel.get("rollback") or {}).get("source_serving_s"),
+                   detail=inj.detail)
+    say(f"  move {step.index}: {worker['id']} {rel.get('src')}→{dst} {step.fault or 'plain'}: {out['result']}"
+        + (f", serving again {serve_again}s" if serve_again is not None else "")
+        + ("" if serving else " NOT SERVING"))
+    return out
+
+
+def _leak_settle(base: Path, before: dict, expected: dict, timeout: float = 20.0) -> dict[str, list[str]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        leaked = L.diff_leaks(before, L.collect(base), expected)
+        if not L.total(leaked) or time.monotonic() > deadline:
+            return leaked
+        time.sleep(1.0)
+
+
+def _expected(st: dict) -> dict[str, set[str]]:
+    cells = {f"{w['node']}/{w['cell']}" for w in st["workers"]}
+    return {"cells": cells, "netns": {"rl-" + w["cell"] for w in st["workers"]},
+            "placement_groups": set()}
+
+
+def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = lambda *_: None) -> dict[str, Any]:
+    from loadtests import LoadConfig, check_tokens, make_reference
+
+    own = ctl is None
+    t_all = time.monotonic()
+    if own:
+        import relocator
+        from relocator.cluster.local import read_info
+
+        info = read_info(cfg.cluster_dir)
+        if info and info.get("address"):
+            ctl, own = relocator.connect(cfg.cluster_dir), False
+        else:
+            say(f"starting a {cfg.nodes}-node cluster in {cfg.cluster_dir}")
+            ctl = relocator.start(nodes=cfg.nodes, gpus_per_node=cfg.gpus_per_node, base_dir=cfg.cluster_dir)
+    base = Path(ctl.info["base_dir"])
+    rng = random.Random(cfg.seed)
+    report: dict[str, Any] = {"config": asdict(cfg)}
+    launched: list[str] = []
+    load = None
+    try:
+        before = L.collect(base)
+        st0 = ctl.status()
+        pre_pgs = {w["id"]: w for w in st0["workers"]}
+        t = time.monotonic()
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(cfg.workers) as pool:
+            ws = list(pool.map(lambda _: ctl.launch(MODEL, gpus=cfg.gpus), range(cfg.workers)))
+        launched = [w["id"] for w in ws]
+        report["launch_s"] = round(time.monotonic() - t, 3)
+        say(f"launched {', '.join(w['id'] + '@' + w['node'] for w in ws)} ({report['launch_s']:.0f}s)")
+        lcfg = LoadConfig(url=ctl.router_url, model=MODEL, concurrency=cfg.streams, duration_s=1e9,
+                          output_tokens=list(cfg.output_tokens), prompt_words=[8, 32], distinct=12,
+                          greedy_fraction=0.75, seed=cfg.seed, request_timeout_s=300)
+        ref = asyncio.run(make_reference(lcfg, url=ws[0]["endpoint"]))
+        load = _LoadThread(lcfg).start()
+        time.sleep(1.0)
+        nodes = [n["id"] for n in st0["nodes"]]
+        steps = make_schedule(cfg.moves, cfg.faults, {w["id"]: w["node"] for w in ws}, nodes, cfg.seed)
+        say(f"{len(steps)} moves ({cfg.moves} plain, faults: {', '.join(cfg.faults) or 'none'}), "
+            f"{cfg.streams} streams")
+        moves: list[dict] = []
+        interval = 60.0 / cfg.moves_per_minute if cfg.moves_per_minute > 0 else 0.0
+        t_moves = time.monotonic()
+        for i, step in enumerate(steps):
+            if cfg.duration_s and time.monotonic() - t_moves > cfg.duration_s:
+                say(f"duration reached after {i} moves")
+                break
+            if interval:
+                wait = t_moves + i * interval - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+            st = _status(ctl)
+            w = next(x for x in st["workers"] if x["id"] == step.worker)
+            if w["state"] != "running":
+                moves.append({"step": i, "fault": step.fault, "result": "skipped",
+                              "error": f"worker {w['id']} is {w['state']}"})
+                continue
+            alive = [n["id"] for n in st["nodes"] if n.get("alive", True)]
+            free = {n["id"]: n["gpus_free"] for n in st["nodes"]}
+            dst = pick_target(w["node"], w["gpus"], free, alive, step.dst, rng)
+            if dst is None:
+                moves.append({"step": i, "fault": step.fault, "result": "skipped", "error": "no target with room"})
+                continue
+            moves.append(one_move(ctl, base, step, w, dst, cfg, say))
+        time.sleep(1.0)
+        rep = load.stop()
+        load = None
+        tc = check_tokens(rep, ref)
+        summ = rep.summary()
+        # failed requests, attributed to the fault whose window (injection .. move end + 2 s) holds them
+        windows = [(m["fault"], m.get("injected_at") or m["started_at"], m["ended_at"] + 2.0)
+                   for m in moves if m.get("fault") and m.get("started_at")]
+        by_fault: dict[str, int] = {}
+        failed = []
+        for r in rep.results:
+            if r.ok:
+                continue
+            end = rep.started_at + r.start + (r.total or 0)
+            f = next((f for f, a, b in windows if a - 0.5 <= end <= b), None)
+            by_fault[f or "none"] = by_fault.get(f or "none", 0) + 1
+            failed.append({"index": r.index, "error": r.error, "fault": f})
+        st = _status(ctl)
+        leaked_mid = _leak_settle(base, before, _expected(st))
+        outcomes = []
+        for m in moves:
+            if m.get("result") == "skipped":
+                outcomes.append({"fault": m["fault"], "result": "skipped", "ok": False, "problems": [m["error"]]})
+                continue
+            f = FAULTS[m["fault"]] if m.get("fault") else None
+            o = check_outcome(f, m, injected=m.get("injected", True), serving=m["serving"],
+                              serve_again_s=m.get("serve_again_s"), failed_requests=by_fault.get(m.get("fault") or "", 0)
+                              if f else 0, leaked=None, serve_target_s=cfg.serve_target_s)
+            outcomes.append({**o.to_dict(), "step": m["step"], "serve_again_s": m.get("serve_again_s"),
+                             "source_serving_s": m.get("source_serving_s"), "injected": m.get("injected"),
+                             "detail": m.get("detail")})
+        phases = [(f"{m['step']}:{n}", a, b) for m in moves for n, a, b in m.get("phase_times", [])
+                  if n in ("DUMP", "RESTORE", "SWITCH")]
+        phases += [(f"{m['step']}:{m['fault']}", m["injected_at"], m["injected_at"] + 0.05)
+                   for m in moves if m.get("injected_at")]
+        if cfg.png:
+            rep.write_png(cfg.png, phases=phases)
+        plain = [m for m in moves if not m.get("fault")]
+        report.update({
+            "relocations": len([m for m in moves if m.get("result") not in ("skipped", None)]),
+            "relocations_done": sum(m.get("result") == "done" for m in moves),
+            "plain_moves": len(plain), "plain_moves_done": sum(m.get("result") == "done" for m in plain),
+            "faults_injected": sum(bool(m.get("injected")) for m in moves),
+            "failed_requests": summ["failed_requests"], "failed_requests_by_fault": by_fault,
+            "requests": summ["requests"], "tokens": summ["tokens"],
+            "tokens_checked_requests": tc.checked,
+            "tokens_lost": tc.tokens_lost, "tokens_duplicated": tc.tokens_duplicated,
+            "tokens_mismatched": tc.tokens_mismatched, "token_bad": tc.bad[:5],
+            "itl_ms": summ["itl_ms"], "ttft_ms": summ["ttft_ms"],
+            "leaked": leaked_mid, "faults": {o["fault"]: o for o in outcomes if o.get("fault")},
+            "moves": moves, "failed": failed[:20],
+            "phase_seconds_p50": _p50_phases(moves),
+        })
+    finally:
+        if load is not None:
+            try:
+                load.stop(60)
+            except Exception:  # noqa: BLE001
+                pass
+        if cfg.stop_workers:
+            for wid in launched:
+                try:
+                    ctl.stop_worker(wid)
+                except Exception as exc:  # noqa: BLE001
+                    say(f"could not stop {wid}: {exc}")
+        if own:
+            ctl.down()
+    if cfg.stop_workers and not own:
+        final = _leak_settle(base, before, {})
+        report["leaked_after_stop"] = final
+        for k, v in final.items():
+            report["leaked"][k] = sorted(set(report["leaked"].get(k, [])) | set(v))
+    report["seconds"] = round(time.monotonic() - t_all, 1)
+    report["ok"] = bool(
+        report.get("failed_requests") == sum(v for k, v in report.get("failed_requests_by_fault", {}).items()
+                                             if k in FAULTS and FAULTS[k].requests_may_fail)
+        and report.get("tokens_lost") == report.get("tokens_duplicated") == report.get("tokens_mismatched") == 0
+        and not L.total(report.get("leaked", {}))
+        and all(o["ok"] for o in report.get("faults", {}).values())
+        and report.get("plain_moves_done") == report.get("plain_moves"))
+    return report
+
+
+def _p50_phases(moves: list[dict]) -> dict[str, float]:
+    acc: dict[str, list[float]] = {}
+    for m in moves:
+        if m.get("fault") or m.get("result") != "done":
+            continue
+        for k, v in m.get("phases", {}).items():
+            acc.setdefault(k, []).append(v)
+    return {k: round(sorted(v)[len(v) // 2], 3) for k, v in acc.items()}

@@ -1,0 +1,71 @@
+"""`relocator chaos`: forced relocations and injected faults under streaming load (issue 6)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import typer
+from rich.table import Table
+
+from relocator.cli import app
+from relocator.cli.common import console, handle_errors, print_json
+
+
+@app.command("chaos")
+@handle_errors
+def chaos_cmd(duration: float = typer.Option(None, "--duration", help="stop starting moves after D seconds"),
+              moves: int = typer.Option(None, "--moves", help="plain forced moves (default 100; smoke 3)"),
+              moves_per_minute: float = typer.Option(0.0, "--moves-per-minute", help="pace (0: back to back)"),
+              faults: str = typer.Option(None, "--faults", help="comma list, 'all' or 'none' (default none; smoke all)"),
+              smoke: bool = typer.Option(False, "--smoke", help="a few minutes: a handful of moves, every fault once"),
+              streams: int = typer.Option(None, "--streams", help="concurrent streams (default 8; smoke 4)"),
+              workers: int = typer.Option(1, "--workers", help="workers to launch and move"),
+              seed: int = typer.Option(0, "--seed"),
+              png: str = typer.Option(None, "--png", help="timeline PNG with relocation phases"),
+              out: str = typer.Option(None, "--out", help="write the full JSON report here"),
+              cluster_dir: str = typer.Option(None, "--cluster-dir",
+                                              help="a running cluster (else one is started here and stopped after)"),
+              json_out: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
+    """Random forced relocations under greedy streaming load, with injected faults; every outcome checked."""
+    import json
+
+    from relocator.chaos.faults import parse_faults
+    from relocator.chaos.runner import ChaosConfig, run_chaos
+    from relocator.cluster.config import cluster_dir as default_dir
+
+    fl = parse_faults(faults) if faults is not None else None
+    kw = dict(duration_s=duration, moves=moves, moves_per_minute=moves_per_minute, faults=fl, streams=streams,
+              workers=workers, seed=seed, png=png,
+              cluster_dir=cluster_dir or os.environ.get("RELOCATOR_CLUSTER_DIR") or str(default_dir()))
+    if smoke:
+        cfg = ChaosConfig.smoke(**kw)
+    else:
+        cfg = ChaosConfig(**{k: v for k, v in {**kw, "moves": 100 if moves is None else moves,
+                                               "streams": 8 if streams is None else streams,
+                                               "faults": fl or []}.items() if v is not None})
+    say = (lambda *_: None) if json_out else (lambda m: console.print(m, highlight=False))
+    rep = run_chaos(cfg, say=say)
+    if out:
+        with open(out, "w") as fh:
+            json.dump(rep, fh, indent=1, default=str)
+    if json_out:
+        rep = {k: v for k, v in rep.items() if k != "moves"} | {"moves": [
+            {k: v for k, v in m.items() if k != "phase_times"} for m in rep.get("moves", [])]}
+        print_json(rep)
+    else:
+        t = Table(title=f"chaos: {rep.get('relocations')} relocations, {rep.get('faults_injected')} faults")
+        for c in ("fault", "result", "ok", "serving again s", "problems"):
+            t.add_column(c)
+        for name, o in rep.get("faults", {}).items():
+            t.add_row(name, str(o["result"]), "yes" if o["ok"] else "[red]NO[/]", str(o.get("serve_again_s")),
+                      "; ".join(o["problems"])[:120])
+        console.print(t)
+        console.print(f"plain moves {rep.get('plain_moves_done')}/{rep.get('plain_moves')} done; requests "
+                      f"{rep.get('requests')}, failed {rep.get('failed_requests')} {rep.get('failed_requests_by_fault')}; "
+                      f"tokens lost/dup/mismatched {rep.get('tokens_lost')}/{rep.get('tokens_duplicated')}/"
+                      f"{rep.get('tokens_mismatched')}; leaked {rep.get('leaked')}; {rep.get('seconds')}s")
+        console.print("[green]OK[/]" if rep["ok"] else "[red]FAILED[/]")
+    if not rep["ok"]:
+        raise typer.Exit(1)
