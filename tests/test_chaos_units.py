@@ -1,0 +1,104 @@
+"""Pure parts of the chaos tool: fault catalogue, schedule, targets, outcome checks, leak diff."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from relocator.chaos import FAULTS, check_outcome, diff_leaks, make_schedule, parse_faults
+from relocator.chaos.faults import SMOKE_FAULTS, pick_target
+from relocator.chaos.leaks import KINDS, total
+
+
+def test_catalogue_covers_the_issue() -> None:
+    need = {"kill-source-agent": "DUMP", "cut-transfer": "TRANSFER", "flip-byte": "RESTORE",
+            "kill-target-cell": "RESTORE", "kill-controller": "DUMP", "restart-router": "DUMP",
+            "node-loss": "RESTORE"}
+    for name, phase in need.items():
+        assert FAULTS[name].phase == phase
+    assert FAULTS["cut-transfer"].transfer == "stream"
+    assert FAULTS["flip-byte"].relocate_faults() == {"pause": {"phase": "RESTORE", "s": 1.0}}
+    assert set(SMOKE_FAULTS) == set(FAULTS)
+
+
+def test_parse_faults() -> None:
+    assert parse_faults("all") == list(FAULTS)
+    assert parse_faults("none") == [] and parse_faults("") == [] and parse_faults(None) == []
+    assert parse_faults("flip-byte, cut-transfer") == ["flip-byte", "cut-transfer"]
+    with pytest.raises(ValueError, match="unknown fault"):
+        parse_faults("flip-bit")
+
+
+def test_schedule_every_fault_once_destructive_last_seeded() -> None:
+    workers = {"w1": "n1", "w2": "n2"}
+    s = make_schedule(5, list(FAULTS), workers, ["n1", "n2", "n3"], seed=3)
+    assert len(s) == 5 + len(FAULTS)
+    assert sorted(x.fault for x in s if x.fault) == sorted(FAULTS)
+    assert s[-1].fault == "node-loss"
+    assert all(x.dst != workers[x.worker] for x in s)
+    assert [x.to_dict() for x in s] == [x.to_dict() for x in make_schedule(5, list(FAULTS), workers,
+                                                                          ["n1", "n2", "n3"], seed=3)]
+    assert [x.index for x in s] == list(range(len(s)))
+
+
+def test_pick_target() -> None:
+    rng = random.Random(0)
+    free = {"n1": 3, "n2": 0, "n3": 4}
+    assert pick_target("n1", 1, free, ["n1", "n2", "n3"], "n3", rng) == "n3"
+    assert pick_target("n1", 1, free, ["n1", "n2", "n3"], "n2", rng) == "n3"  # n2 full
+    assert pick_target("n1", 1, free, ["n1", "n2"], "n3", rng) is None  # n3 gone, n2 full
+
+
+def _rel(result: str, **kw) -> dict:
+    return {"result": result, "error": kw.pop("error", ""), "rollback": kw.pop("rollback", {}), **kw}
+
+
+def test_outcome_plain_move() -> None:
+    ok = check_outcome(None, _rel("done"), injected=False, serving=True, serve_again_s=None,
+                       failed_requests=0, leaked={"cells": []})
+    assert ok.ok and not ok.problems
+    bad = check_outcome(None, _rel("rolled_back", error="DUMP: x"), injected=False, serving=True,
+                        serve_again_s=None, failed_requests=2, leaked={"cells": ["n2/w1-r1"]})
+    assert not bad.ok and len(bad.problems) == 3
+
+
+def test_outcome_fault_expectations() -> None:
+    f = FAULTS["kill-source-agent"]
+    good = check_outcome(f, _rel("rolled_back", rollback={"errors": []}), injected=True, serving=True,
+                         serve_again_s=0.4, failed_requests=0, leaked={})
+    assert good.ok, good.problems
+    for kw, frag in ((dict(injected=False), "not injected"), (dict(serve_again_s=3.1), "serving again after"),
+                     (dict(serving=False), "not serving"), (dict(failed_requests=1), "request(s) failed")):
+        args = dict(injected=True, serving=True, serve_again_s=0.4, failed_requests=0, leaked={}) | kw
+        o = check_outcome(f, _rel("rolled_back"), **args)
+        assert not o.ok and any(frag in p for p in o.problems), (kw, o.problems)
+    wrong = check_outcome(f, _rel("done"), injected=True, serving=True, serve_again_s=0.1, failed_requests=0,
+                          leaked={})
+    assert not wrong.ok and "expected rolled_back" in wrong.problems[0]
+    rb = check_outcome(f, _rel("rolled_back", rollback={"errors": ["resume source: boom"]}), injected=True,
+                       serving=True, serve_again_s=0.1, failed_requests=0, leaked={})
+    assert not rb.ok and "rollback errors" in rb.problems[0]
+    # a router restart may cut client connections: attributed, not a failure of the outcome
+    r = check_outcome(FAULTS["restart-router"], _rel("done"), injected=True, serving=True, serve_again_s=0.2,
+                      failed_requests=3, leaked={})
+    assert r.ok
+    assert check_outcome(f, None, injected=True, serving=True, serve_again_s=0.1, failed_requests=0,
+                         leaked={}).problems == ["relocation record missing"]
+
+
+def test_leak_diff() -> None:
+    before = {"cells": {"n1/w9-c0"}, "netns": {"rl-w9-c0"}, "images": set(), "placement_groups": {"relocator-w9-launch"},
+              "processes": set()}
+    after = {"cells": {"n1/w9-c0", "n2/w1-r1", "n3/w1-r2"}, "netns": {"rl-w9-c0", "rl-w1-r1", "rl-w1-r2"},
+             "images": {"n1/r2"}, "placement_groups": {"relocator-w9-launch", "relocator-w1-r2"},
+             "processes": {"123:vllm"}}
+    expected = {"cells": {"n2/w1-r1"}, "netns": {"rl-w1-r1"}}
+    d = diff_leaks(before, after, expected)
+    assert set(d) == set(KINDS)
+    assert d == {"cells": ["n3/w1-r2"], "netns": ["rl-w1-r2"], "images": ["n1/r2"],
+                 "placement_groups": ["relocator-w1-r2"], "processes": ["123:vllm"]}
+    assert total(d) == 5
+    assert total(diff_leaks(after, after)) == 0
+    # something that went away is not a leak
+    assert total(diff_leaks(after, before)) == 0
