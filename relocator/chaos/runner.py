@@ -116,10 +116,13 @@ class _Probe:
             self.endpoints.append(ep)
 
     def _one(self, ep: str) -> None:
-        while not self._stop.is_set():
+        def probe() -> None:
             t0 = time.time()
-            if _post_ok(ep, timeout=3.0):
+            if _post_ok(ep, timeout=5.0):
                 self.ok.setdefault(ep, []).append((t0, time.time()))
+
+        while not self._stop.is_set():  # one new probe every 50 ms, not waiting for the last
+            threading.Thread(target=probe, daemon=True).start()
             self._stop.wait(0.05)
 
     def _run(self) -> None:
@@ -138,10 +141,14 @@ class _Probe:
     def stop(self) -> None:
         self._stop.set()
 
-    def serving_at(self, ep: str, since: float) -> float | None:
+    def serving_at(self, ep: str, since: float, wait_s: float = 5.0) -> float | None:
         """When `ep` answered a probe sent at or after `since` (serving again)."""
-        xs = [b for a, b in self.ok.get(ep, []) if a >= since - 0.05]
-        return min(xs) if xs else None
+        deadline = time.monotonic() + wait_s
+        while True:
+            xs = [b for a, b in list(self.ok.get(ep, [])) if a >= since - 0.05]
+            if xs or time.monotonic() > deadline:
+                return min(xs) if xs else None
+            time.sleep(0.05)
 
 
 # ---- the injector ---------------------------------------------------------------------------------
@@ -387,7 +394,8 @@ def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConf
         det = _detected_at(rel, inj)
         if det is not None and ep:
             at = probe.serving_at(ep, det)
-            serve_again = round(at - det, 3) if at else None
+            # never negative: a source that kept serving (its dump was cut short) counts as 0
+            serve_again = round(max(0.0, at - det), 3) if at else None
         probe.stop()
     out = {"step": step.index, "fault": step.fault, "relocation": rid, "worker": worker["id"],
            "from": rel.get("src"), "to": dst, "result": "timeout" if timed_out else rel.get("result"),
@@ -416,10 +424,15 @@ def _leak_settle(base: Path, before: dict, expected: dict, timeout: float = 20.0
         time.sleep(1.0)
 
 
-def _expected(st: dict) -> dict[str, set[str]]:
+def _expected(st: dict, moves: list[dict]) -> dict[str, set[str]]:
+    """What must exist now: each worker's cell and netns, and its reservation (that of the
+    last relocation that moved it, else its launch's)."""
     cells = {f"{w['node']}/{w['cell']}" for w in st["workers"]}
-    return {"cells": cells, "netns": {"rl-" + w["cell"] for w in st["workers"]},
-            "placement_groups": set()}
+    pgs = set()
+    for w in st["workers"]:
+        done = [m["relocation"] for m in moves if m.get("worker") == w["id"] and m.get("result") == "done"]
+        pgs.add(f"relocator-{w['id']}-{done[-1]}" if done else f"relocator-{w['id']}-launch")
+    return {"cells": cells, "netns": {"rl-" + w["cell"] for w in st["workers"]}, "placement_groups": pgs}
 
 
 def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = lambda *_: None) -> dict[str, Any]:
@@ -482,6 +495,8 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
                               "error": f"worker {w['id']} is {w['state']}"})
                 continue
             alive = [n["id"] for n in st["nodes"] if n.get("alive", True)]
+            if step.fault and FAULTS[step.fault].destructive:  # never the head node (GCS, controller)
+                alive = [n for n in alive if n != nodes[0]]
             free = {n["id"]: n["gpus_free"] for n in st["nodes"]}
             dst = pick_target(w["node"], w["gpus"], free, alive, step.dst, rng)
             if dst is None:
@@ -506,7 +521,7 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
             by_fault[f or "none"] = by_fault.get(f or "none", 0) + 1
             failed.append({"index": r.index, "error": r.error, "fault": f})
         st = _status(ctl)
-        leaked_mid = _leak_settle(base, before, _expected(st))
+        leaked_mid = _leak_settle(base, before, _expected(st, moves))
         outcomes = []
         for m in moves:
             if m.get("result") == "skipped":
@@ -532,7 +547,7 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
             "plain_moves": len(plain), "plain_moves_done": sum(m.get("result") == "done" for m in plain),
             "faults_injected": sum(bool(m.get("injected")) for m in moves),
             "failed_requests": summ["failed_requests"], "failed_requests_by_fault": by_fault,
-            "requests": summ["requests"], "tokens": summ["tokens"],
+            "requests": summ["requests"], "failed_by_error": summ["errors"], "tokens": summ["tokens"],
             "tokens_checked_requests": tc.checked,
             "tokens_lost": tc.tokens_lost, "tokens_duplicated": tc.tokens_duplicated,
             "tokens_mismatched": tc.tokens_mismatched, "token_bad": tc.bad[:5],
@@ -553,13 +568,13 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
                     ctl.stop_worker(wid)
                 except Exception as exc:  # noqa: BLE001
                     say(f"could not stop {wid}: {exc}")
+        if cfg.stop_workers and "leaked" in report:
+            final = _leak_settle(base, before, {})
+            report["leaked_after_stop"] = final
+            for k, v in final.items():
+                report["leaked"][k] = sorted(set(report["leaked"].get(k, [])) | set(v))
         if own:
             ctl.down()
-    if cfg.stop_workers and not own:
-        final = _leak_settle(base, before, {})
-        report["leaked_after_stop"] = final
-        for k, v in final.items():
-            report["leaked"][k] = sorted(set(report["leaked"].get(k, [])) | set(v))
     report["seconds"] = round(time.monotonic() - t_all, 1)
     report["ok"] = bool(
         report.get("failed_requests") == sum(v for k, v in report.get("failed_requests_by_fault", {}).items()

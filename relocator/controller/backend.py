@@ -77,14 +77,29 @@ class RayBackend:
         ray.util.remove_placement_group(pg)
 
     # -- router --------------------------------------------------------------------------------
+    def _router(self, worker_id: str, fn, endpoint: str | None = None):
+        """`fn(router)`; a router that restarted mid-relocation has forgotten the worker (the
+        reconcile loop skips busy workers): on 404 register it again, then retry once."""
+        from relocator.router.client import ControlError
+
+        rc = self.ctl.router()
+        try:
+            return fn(rc)
+        except ControlError as exc:
+            w = self.ctl.store.worker(worker_id)
+            if exc.status != 404 or w is None:
+                raise
+            rc.add_replica(worker_id, w.model, endpoint or w.endpoint)
+            return fn(rc)
+
     def hold(self, worker_id: str) -> None:
-        self.ctl.router().hold(worker_id)
+        self._router(worker_id, lambda rc: rc.hold(worker_id))
 
     def switch(self, worker_id: str, endpoint: str) -> dict:
-        return self.ctl.router().switch(worker_id, endpoint)
+        return self._router(worker_id, lambda rc: rc.switch(worker_id, endpoint), endpoint)
 
     def release(self, worker_id: str) -> None:
-        self.ctl.router().release(worker_id)
+        self._router(worker_id, lambda rc: rc.release(worker_id))
 
     # -- agents --------------------------------------------------------------------------------
     def dump(self, node: str, cell_id: str, image_dir: str) -> dict:
