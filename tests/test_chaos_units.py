@@ -102,3 +102,9 @@ def test_leak_diff() -> None:
     assert total(diff_leaks(after, after)) == 0
     # something that went away is not a leak
     assert total(diff_leaks(after, before)) == 0
+
+
+def test_outcome_worker_on_dead_node() -> None:
+    o = check_outcome(FAULTS["node-loss"], _rel("done"), injected=True, serving=True, serve_again_s=0.5,
+                      failed_requests=0, leaked={}, worker_node_alive=False)
+    assert not o.ok and "dead" in o.problems[0]

@@ -58,8 +58,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("restart-router", "DUMP", ("done", "rolled_back"),
           "SIGTERM the router during DUMP (streams are held); the cluster daemon restarts it "
           "and the controller re-registers the workers", requests_may_fail=True),
-    Fault("node-loss", "RESTORE", ("rolled_back",),
-          "SIGKILL the target node's raylet during RESTORE: the node is gone for good",
+    Fault("node-loss", "RESTORE", ("rolled_back", "done"),
+          "SIGKILL the target node's raylet during RESTORE: the node is gone for good; the "
+          "worker must end up serving on a live node",
           destructive=True),
 )}
 
@@ -132,7 +133,8 @@ class Outcome:
 
 def check_outcome(fault: Fault | None, rel: dict[str, Any] | None, *, injected: bool,
                   serving: bool, serve_again_s: float | None, failed_requests: int,
-                  leaked: dict[str, list] | None, serve_target_s: float = 2.0) -> Outcome:
+                  leaked: dict[str, list] | None, serve_target_s: float = 2.0,
+                  worker_node_alive: bool = True) -> Outcome:
     """Compare what happened with what `fault` (None: a plain move) must lead to."""
     problems: list[str] = []
     result = rel.get("result") if rel else None
@@ -151,6 +153,8 @@ def check_outcome(fault: Fault | None, rel: dict[str, Any] | None, *, injected: 
             problems.append("rollback errors: " + "; ".join(map(str, rb["errors"]))[:300])
     if not serving:
         problems.append("worker not serving afterwards")
+    if not worker_node_alive:
+        problems.append("worker is recorded on a node Ray declared dead")
     elif fault is not None and injected and serve_again_s is not None and serve_again_s > serve_target_s:
         problems.append(f"serving again after {serve_again_s:.2f}s > {serve_target_s:g}s")
     if failed_requests and not (fault is not None and fault.requests_may_fail):

@@ -338,7 +338,10 @@ def _status(ctl, tries: int = 600) -> dict:
 
 
 def _detected_at(rel: dict, inj: Injector | None) -> float | None:
-    """Fault detection: the end of the first failed phase, else the injection itself."""
+    """Fault detection: the injection itself for a dead controller or router (Ray and the
+    daemon notice at once), else the end of the first failed phase, else the injection."""
+    if inj and inj.injected and inj.fault.name in ("kill-controller", "kill-controller-switch", "restart-router"):
+        return inj.at
     for p in rel.get("phases", []):
         if p.get("ok") is False and p.get("ended"):
             return float(p["ended"])
@@ -352,9 +355,9 @@ def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConf
                      faults=fault.relocate_faults() if fault else None, wait=False)
     rid = s["id"]
     inj = Injector(ctl, base, fault, worker) if fault else None
+    # probes go to the worker directly, so they start only once the fault is detected: a
+    # connection waiting in the accept queue while CRIU dumps makes the dump fail
     probe = _Probe().start() if fault else None
-    if probe:
-        probe.add(worker["endpoint"])
     state: dict[str, Any] = {}
 
     def still() -> dict:
@@ -364,8 +367,9 @@ def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConf
     deadline = time.monotonic() + cfg.move_timeout_s
     rel = still()
     while rel.get("result") == "running" and time.monotonic() < deadline:
-        if probe and rel.get("dst_endpoint"):
-            probe.add(rel["dst_endpoint"])
+        if probe and _detected_at(rel, inj) is not None:
+            probe.add(worker["endpoint"])
+            probe.add(rel.get("dst_endpoint"))
         if inj and not inj.injected and inj.ready(rel):
             try:
                 inj.act(rel, still)
@@ -382,9 +386,10 @@ def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConf
     ep = w["endpoint"] if w else None
     serving = False
     serve_again = None
+    if probe:
+        probe.add(worker["endpoint"])
+        probe.add(rel.get("dst_endpoint"))
     if w and w["state"] == "running":
-        if probe:
-            probe.add(ep)
         t_end = time.monotonic() + 30
         while time.monotonic() < t_end and not serving:
             serving = _post_ok(ep, timeout=5)
@@ -397,6 +402,16 @@ def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConf
             # never negative: a source that kept serving (its dump was cut short) counts as 0
             serve_again = round(max(0.0, at - det), 3) if at else None
         probe.stop()
+    node_alive = True
+    if fault and fault.destructive and w:
+        t_end = time.monotonic() + 40  # Ray marks a node dead after its health checks fail
+        while time.monotonic() < t_end:
+            nodes = {n["id"]: n.get("alive", True) for n in _status(ctl)["nodes"]}
+            node_alive = nodes.get(w["node"], False)
+            if not nodes.get(rel.get("dst"), True):
+                break
+            time.sleep(1.0)
+    settle_s = _settle(ctl)
     out = {"step": step.index, "fault": step.fault, "relocation": rid, "worker": worker["id"],
            "from": rel.get("src"), "to": dst, "result": "timeout" if timed_out else rel.get("result"),
            "error": (rel.get("error") or "")[:300], "recovered": rel.get("recovered"),
@@ -404,7 +419,7 @@ def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConf
            "phase_times": [(p["name"], p["started"], p["ended"]) for p in rel.get("phases", []) if p.get("ended")],
            "rollback": rel.get("rollback") or {}, "started_at": t_start, "ended_at": time.time(),
            "worker_after": {k: w.get(k) for k in ("node", "state", "cell", "endpoint")} if w else None,
-           "serving": serving}
+           "serving": serving, "worker_node_alive": node_alive, "settle_s": settle_s}
     if inj:
         out.update(injected=inj.injected, injected_at=inj.at, detected_at=_detected_at(rel, inj),
                    serve_again_s=serve_again, source_serving_s=(rel.get("rollback") or {}).get("source_serving_s"),
@@ -413,6 +428,17 @@ def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConf
         + (f", serving again {serve_again}s" if serve_again is not None else "")
         + ("" if serving else " NOT SERVING"))
     return out
+
+
+def _settle(ctl, timeout: float = 60.0) -> float | None:
+    """Until the router answers a request again (it may be restarting, or re-registering the
+    workers): the next move starts on a serving cluster. Seconds waited, None if it never did."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if _post_ok(ctl.router_url, timeout=10):
+            return round(time.monotonic() - t0, 3)
+        time.sleep(0.2)
+    return None
 
 
 def _leak_settle(base: Path, before: dict, expected: dict, timeout: float = 20.0) -> dict[str, list[str]]:
@@ -529,6 +555,7 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
                 continue
             f = FAULTS[m["fault"]] if m.get("fault") else None
             o = check_outcome(f, m, injected=m.get("injected", True), serving=m["serving"],
+                              worker_node_alive=m.get("worker_node_alive", True),
                               serve_again_s=m.get("serve_again_s"), failed_requests=by_fault.get(m.get("fault") or "", 0)
                               if f else 0, leaked=None, serve_target_s=cfg.serve_target_s)
             outcomes.append({**o.to_dict(), "step": m["step"], "serve_again_s": m.get("serve_again_s"),
