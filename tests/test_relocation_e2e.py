@@ -207,7 +207,10 @@ def test_router_restart_gets_every_worker_back(relocator_cluster, w1, ref) -> No
     import signal
 
     ctl = relocator_cluster
-    router_pid = ctl.info["pids"][-1]
+    from loadtests.abuse import listener_pid
+
+    # the daemon restarts a dead router under a new PID (chaos tests do): find it by its port
+    router_pid = listener_pid(int(ctl.router_url.rsplit(":", 1)[1])) or ctl.info["pids"][-1]
     os.kill(router_pid, signal.SIGKILL)
     deadline = time.monotonic() + 60
     while True:
