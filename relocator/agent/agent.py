@@ -55,6 +55,29 @@ class NodeAgent:
         return adopted
 
     @staticmethod
+    def _wait_criu(cell, timeout: float = 120.0) -> None:
+        """A `criu dump -t <init>` left running by a previous incarnation of this agent (killed
+        mid-dump; CRIU is not killed with it) still holds the cell and will leave it stopped:
+        wait for it, as the cell lock would have (found by `relocator chaos`)."""
+        pid = str(cell.init_pid).encode()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            busy = False
+            for d in os.listdir("/proc"):
+                if not d.isdigit():
+                    continue
+                try:
+                    args = Path(f"/proc/{d}/cmdline").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if args[0].endswith(b"criu") and b"-t" in args and pid in args:
+                    busy = True
+                    break
+            if not busy:
+                return
+            time.sleep(0.1)
+
+    @staticmethod
     def _describe(cell) -> dict[str, Any]:
         return {"id": cell.id, "endpoint": cell.endpoint, "alive": cell.is_alive(),
                 "stopped": cell.is_stopped(), "init_pid": cell.init_pid, "origin": cell.origin,
@@ -81,6 +104,7 @@ class NodeAgent:
                 return "absent"
             if not cell.is_alive():
                 return "absent"
+            self._wait_criu(cell)
             return "stopped" if cell.is_stopped() else "running"
 
     def host_fingerprint(self) -> dict:
@@ -143,6 +167,7 @@ class NodeAgent:
 
         with self._lock(cell_id):
             cell = load_cell(cell_id)
+            self._wait_criu(cell)
             if cell.is_stopped():
                 resume_source(cell)
 
