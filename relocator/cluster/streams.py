@@ -112,6 +112,7 @@ class Load:
         self.url, self.model, self.ref = url, model, ref
         self.max_tokens, self.concurrency = max_tokens, concurrency
         self.results: list[RequestResult] = []
+        self.request_timeout_s = 120.0  # a request stuck this long counts as a client error
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.started = 0.0
@@ -131,7 +132,7 @@ class Load:
                 while not self._stop.is_set():
                     res_task = asyncio.ensure_future(stream_once(
                         s, self.url, self.model, PROMPTS[c % len(PROMPTS)], self.max_tokens, client=c,
-                        prompt_idx=c % len(self.ref)))
+                        prompt_idx=c % len(self.ref), timeout=self.request_timeout_s))
                     res = await res_task
                     self.results.append(res)
                     if res.error:

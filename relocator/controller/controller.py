@@ -116,7 +116,8 @@ class Controller:
                 continue
             state = self.backend.call(w.node, "cell_state", w.cell_id, timeout=30)
             with self._lock:
-                if w.id in self._busy:
+                cur = self.store.worker(w.id)
+                if w.id in self._busy or cur is None or cur.cell_id != w.cell_id or cur.state != "running":
                     continue
                 if state == "absent":
                     w.state, w.error = "failed", f"cell {w.cell_id} is gone"
@@ -136,7 +137,10 @@ class Controller:
             r = seen.get(w.id)
             if r is None or r.get("endpoint", "").rstrip("/") != w.endpoint.rstrip("/"):
                 with self._lock:
-                    if w.id in self._busy:
+                    # re-read under the lock: a relocation may have finished since the list
+                    # was read, and a stale record must never point the router back
+                    cur = self.store.worker(w.id)
+                    if w.id in self._busy or cur is None or cur.state != "running" or cur.endpoint != w.endpoint:
                         continue
                     rc.add_replica(w.id, w.model, w.endpoint)
                     log.warning("router: re-registered %s at %s", w.id, w.endpoint)

@@ -274,6 +274,11 @@ class Machine:
                 errors.append(f"source state: {exc}")
             if state == "stopped":
                 step("resume source", lambda: self.backend.resume(rel.src, rel.src_cell))
+                try:  # a tree that did not take the SIGCONT gets one more
+                    if self.backend.cell_state(rel.src, rel.src_cell) == "stopped":
+                        step("resume source again", lambda: self.backend.resume(rel.src, rel.src_cell))
+                except Exception as exc:  # noqa: BLE001
+                    errors.append(f"source state after resume: {exc}")
             elif state != "running":
                 source_ok = False
                 errors.append(f"source cell {rel.src_cell} is {state}")
