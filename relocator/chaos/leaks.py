@@ -106,10 +106,32 @@ def vllm_processes(base: Path, live_cells: Iterable[Any]) -> set[str]:
     return out
 
 
-def collect(base: str | Path, with_ray: bool = True) -> dict[str, set[str]]:
+def _foreign_netns(name: str, base: Path) -> bool:
+    """A namespace whose processes belong to another cluster (same cell name elsewhere)."""
+    try:
+        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=10).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return False
+    mine = f"RELOCATOR_STATE_DIR={Path(base).resolve()}".encode()
+    for pid in pids:
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if b"RELOCATOR_STATE_DIR=" in env and mine not in env:
+            return True
+    return False
+
+
+def collect(base: str | Path, with_ray: bool = True, netns_names: set[str] | None = None) -> dict[str, set[str]]:
+    """`netns_names`: only these namespaces count (`ip netns` is machine-wide and other
+    clusters on the same host create and remove theirs at any time)."""
     base = Path(base)
     cs = cells(base)
-    snap = {"cells": set(cs), "netns": netns(), "images": images(base),
+    ns = netns()
+    if netns_names is not None:
+        ns = {n for n in ns & set(netns_names) if not _foreign_netns(n, base)}
+    snap = {"cells": set(cs), "netns": ns, "images": images(base),
             "placement_groups": placement_groups() if with_ray else set(),
             "processes": vllm_processes(base, cs.values())}
     return snap

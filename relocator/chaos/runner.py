@@ -441,13 +441,21 @@ def _settle(ctl, timeout: float = 60.0) -> float | None:
     return None
 
 
-def _leak_settle(base: Path, before: dict, expected: dict, timeout: float = 20.0) -> dict[str, list[str]]:
+def _leak_settle(base: Path, before: dict, expected: dict, netns_names: set[str],
+                 timeout: float = 20.0) -> dict[str, list[str]]:
     deadline = time.monotonic() + timeout
     while True:
-        leaked = L.diff_leaks(before, L.collect(base), expected)
+        leaked = L.diff_leaks(before, L.collect(base, netns_names=netns_names), expected)
         if not L.total(leaked) or time.monotonic() > deadline:
             return leaked
         time.sleep(1.0)
+
+
+def _our_netns(workers: list[str], moves: list[dict]) -> set[str]:
+    """The namespaces this run's cells can have: rl-<worker>-c0 and rl-<worker>-<relocation>."""
+    names = {f"rl-{w}-c0" for w in workers}
+    names |= {f"rl-{m['worker']}-{m['relocation']}" for m in moves if m.get("relocation")}
+    return names
 
 
 def _expected(st: dict, moves: list[dict]) -> dict[str, set[str]]:
@@ -557,7 +565,7 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
         tc_rest = check_tokens(rest, ref)
         rep.token_check = tc
         st = _status(ctl)
-        leaked_mid = _leak_settle(base, before, _expected(st, moves))
+        leaked_mid = _leak_settle(base, before, _expected(st, moves), _our_netns(launched, moves))
         outcomes = []
         for m in moves:
             if m.get("result") == "skipped":
@@ -610,7 +618,7 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
                 except Exception as exc:  # noqa: BLE001
                     say(f"could not stop {wid}: {exc}")
         if cfg.stop_workers and "leaked" in report:
-            final = _leak_settle(base, before, {})
+            final = _leak_settle(base, before, {}, _our_netns(launched, report.get("moves", [])))
             report["leaked_after_stop"] = final
             for k, v in final.items():
                 report["leaked"][k] = sorted(set(report["leaked"].get(k, [])) | set(v))
