@@ -579,8 +579,14 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
             outcomes.append({**o.to_dict(), "step": m["step"], "serve_again_s": m.get("serve_again_s"),
                              "source_serving_s": m.get("source_serving_s"), "injected": m.get("injected"),
                              "detail": m.get("detail")})
-        phases = [(f"{m['step']}:{n}", a, b) for m in moves for n, a, b in m.get("phase_times", [])
-                  if n in ("DUMP", "RESTORE", "SWITCH")]
+        # one shaded span per move: DUMP start .. SWITCH end (the worker frozen, its streams
+        # held), labelled when there are few; each injection marked with the fault's name
+        phases = []
+        for m in moves:
+            pt = [(n, a, b) for n, a, b in m.get("phase_times", []) if n in ("DUMP", "TRANSFER", "RESTORE", "SWITCH")]
+            if pt:
+                label = f"{m['step']}:{'DUMP..SWITCH' if pt[-1][0] == 'SWITCH' else pt[-1][0]}" if len(moves) <= 15 else ""
+                phases.append((label, pt[0][1], pt[-1][2]))
         phases += [(f"{m['step']}:{m['fault']}", m["injected_at"], m["injected_at"] + 0.05)
                    for m in moves if m.get("injected_at")]
         if cfg.png:
