@@ -187,7 +187,8 @@ def test_drain_node_with_two_workers(relocator_cluster, w1, ref) -> None:
     out = ctl.drain(node, parallel=2, transfer="stream")  # two workers move at the same time
     load.stop()
     rep = load.report()
-    assert out["drained"] and out["workers_left"] == [], out
+    why = [(r["result"], r["error"][-400:], r["rollback"]) for r in out["relocations"]]
+    assert out["drained"] and out["workers_left"] == [], why
     assert [r["result"] for r in out["relocations"]] == ["done", "done"], out
     assert all(r["transfer"] == "stream" for r in out["relocations"])
     assert rep["client_errors"] == 0 and (rep["tokens_lost"], rep["tokens_duplicated"], rep["tokens_mismatched"]) == (0, 0, 0)
