@@ -67,6 +67,9 @@ def dump(pid: int, image_dir: Path, netns_inode: int, leave_stopped: bool = True
     cmd = [
         criu_binary(), "dump", "-t", str(pid), "-D", str(image_dir), "-o", "dump.log", "-v2",
         "--tcp-established", "--link-remap", "--manage-cgroups=ignore",
+        # A connection still waiting in a listen queue (a health probe or scrape sent straight
+        # to the worker at that instant) would otherwise fail the whole dump; it is dropped.
+        "--skip-in-flight",
         "--external", f"net[{netns_inode}]:{NETNS_KEY}",
     ]
     if leave_stopped:
