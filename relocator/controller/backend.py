@@ -121,7 +121,7 @@ class RayBackend:
             except Exception:
                 if time.monotonic() > deadline:
                     raise
-                time.sleep(0.5)
+                time.sleep(0.1)
 
     def resume(self, node: str, cell_id: str) -> None:
         self.call(node, "resume", cell_id)
