@@ -66,9 +66,14 @@ async def test_load_through_switch_token_exact(env, tmp_path):
     ref = await make_reference(cfg, url=fakes[1][1])
     assert ref and all(len(v) in (20, 60) for v in ref.values())
     task = asyncio.create_task(run_load(cfg))
-    await asyncio.sleep(0.3)
     a = time.time()
     async with RouterControl(srv.control_url) as rc:
+        # Switch only while streams are in flight (a fixed sleep is a race on a busy machine).
+        for _ in range(200):
+            reps = (await rc.replicas())["models"]["fake"]
+            if any(r["in_flight"] > 0 for r in reps):
+                break
+            await asyncio.sleep(0.02)
         await rc.hold("w1")
         await asyncio.sleep(0.1)
         info = await rc.switch("w1", fakes[1][1])
