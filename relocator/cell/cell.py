@@ -174,6 +174,11 @@ def launch_cell(
     Returns once the cell's init has recorded its host PID; the worker itself may still be
     loading (use the engine adapter's readiness check on `cell.endpoint`).
     """
+    # A cell replaces the host's /run and /dev/shm with its own tmpfs: code living there
+    # would vanish inside it.
+    for path in (sys.executable, str(REPO_ROOT), argv[0]):
+        if os.path.abspath(path).startswith(("/run/", "/dev/shm/")):
+            raise CellError(f"{path} is under /run or /dev/shm, which a cell replaces with its own tmpfs")
     cell_id = cell_id or new_cell_id()
     link = netns.create(f"rl-{cell_id}")
     cdir = cells_dir() / cell_id

@@ -5,7 +5,7 @@ PID, mount, IPC and UTS namespaces (and the cell's network namespace). Two steps
 
 1. setup, while the host's /proc is still mounted: record our host PID, bind `/` (not
    recursively) as a new root with its own proc, read-only sysfs, a tmpfs /dev with the usual
-   nodes, and private tmpfs /dev/shm, /run and /tmp; pivot into it and drop the old root.
+   nodes, and private tmpfs /dev/shm and /run (TMPDIR); pivot into it and drop the old root.
    Nothing in the tree then keeps a host file open, so CRIU can dump it whole.
 2. init: close every inherited fd, become a session leader (no --shell-job needed), start the
    worker with its output in /run/worker.log, forward TERM/INT to it and reap every child.
@@ -63,7 +63,8 @@ def build_root(shm_size: str) -> None:
     os.makedirs(root / "dev" / "shm")
     _mount("tmpfs", str(root / "dev" / "shm"), "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={shm_size}")
     _mount("tmpfs", str(root / "run"), "tmpfs", MS_NOSUID | MS_NODEV, "mode=755")
-    _mount("tmpfs", str(root / "tmp"), "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+    # /tmp stays the host's: the repository, its venv or the model may live there (CI clones
+    # anywhere). The worker's temp files go to /run (TMPDIR), which is the cell's own.
     os.chdir(NEW_ROOT)
     # pivot_root(".", "."): the old root ends up stacked on "/", then is detached (pivot_root(2)).
     _check(_libc.syscall(SYS_PIVOT_ROOT, b".", b"."), "pivot_root")
