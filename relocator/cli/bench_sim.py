@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 
 from relocator.cli import bench_app
-from relocator.cli.simulate import fail, load_inputs, parse_seeds, print_table, run_with_progress
+from relocator.cli.simulate import fail, load_inputs, parse_choices, print_table, run_with_progress
 
 REF_NAMES = {"random": "01-Random", "dot-product": "02-DotProd", "best-fit": "05-BestFit", "fgd": "06-FGD"}
 VALIDATED = ("fgd", "best-fit")
@@ -50,16 +50,10 @@ def bench_sim(
     as_json: bool = typer.Option(False, "--json", help="One JSON object: results, validation."),
 ) -> None:
     """Validate the simulator against the FGD authors' numbers, then show what relocation wins."""
-    from relocator.planner.cluster import PlannerError
-    from relocator.planner.policies import canonical_policy_name
     from relocator.sim.plot import plot_allocation
     from relocator.sim.trace import REFERENCE_FILE, TraceError, load_reference
 
-    try:
-        seed_list = parse_seeds(seeds)
-        policies = [canonical_policy_name(p) for p in policy.split(",") if p.strip()]
-    except (ValueError, PlannerError) as exc:
-        raise fail(str(exc)) from None
+    policies, seed_list = parse_choices(policy, seeds)
     tdir, nodes, pods = load_inputs(trace, None)
     try:
         reference = load_reference(tdir / REFERENCE_FILE)

@@ -40,6 +40,19 @@ def fail(msg: str, code: int = 2) -> "typer.Exit":
     return typer.Exit(code)
 
 
+def parse_choices(policy: str, seeds: str) -> tuple[list[str], list[int]]:
+    """Policy names (canonical) and seeds from their option strings, or a CLI error."""
+    from relocator.planner.cluster import PlannerError
+    from relocator.planner.policies import canonical_policy_name
+
+    try:
+        seed_list = parse_seeds(seeds)
+        policies = [canonical_policy_name(p) for p in policy.split(",") if p.strip()]
+    except (ValueError, PlannerError) as exc:
+        raise fail(str(exc)) from None
+    return policies, seed_list
+
+
 def load_inputs(trace: Optional[Path], pods: Optional[Path]):
     from relocator.sim.trace import NODE_FILE, POD_FILE, TraceError, default_trace_dir, load_nodes, load_pods
 
@@ -107,14 +120,7 @@ def simulate_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with means over the seeds."),
 ) -> None:
     """Replay the openb trace under placement policies, with and without relocation."""
-    from relocator.planner.cluster import PlannerError
-    from relocator.planner.policies import canonical_policy_name
-
-    try:
-        seed_list = parse_seeds(seeds)
-        policies = [canonical_policy_name(p) for p in policy.split(",") if p.strip()]
-    except (ValueError, PlannerError) as exc:
-        raise fail(str(exc)) from None
+    policies, seed_list = parse_choices(policy, seeds)
     if not policies:
         raise fail("no policy given")
     if order not in ("shuffle", "submission"):
