@@ -17,6 +17,11 @@ def spec_to_dict(spec: LaunchSpec) -> dict:
     return data
 
 
+def spec_from_dict(data: dict) -> LaunchSpec:
+    """The inverse of spec_to_dict (a cell's or an image's launch record)."""
+    return LaunchSpec(**{**data, "model_dir": Path(data["model_dir"])})
+
+
 def launch_worker(spec: LaunchSpec, engine: str = "vllm", cell_id: str | None = None) -> Cell:
     """Start a worker cell; returns at once (the engine is still loading)."""
     spec.host = "0.0.0.0"  # inside the cell's own network namespace

@@ -114,12 +114,9 @@ class NodeAgent:
 
     def worker_fingerprint(self, cell_id: str) -> dict:
         from relocator.cell.cell import load_cell
-        from relocator.snapshot.fingerprint import Fingerprint, host_fingerprint
-        from relocator.snapshot.snapshot import engine_fingerprint_for
+        from relocator.snapshot.snapshot import fingerprint_of
 
-        cell = load_cell(cell_id)
-        return Fingerprint(host=host_fingerprint(),
-                           engine=engine_fingerprint_for(cell.launch, cell.engine)).model_dump()
+        return fingerprint_of(load_cell(cell_id)).model_dump()
 
     def compatible(self, fingerprint: dict) -> list[str]:
         """Reasons this node cannot restore a worker with `fingerprint` (empty: it can)."""

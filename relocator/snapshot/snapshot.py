@@ -12,13 +12,14 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from adapters.base import EngineFingerprint, LaunchSpec, get_adapter
+from adapters.base import EngineFingerprint, get_adapter
 from relocator.cell import netns
 from relocator.cell.cell import Cell, CellError, cells_dir, new_cell_id
+from relocator.worker import spec_from_dict
 from relocator.snapshot import criu, cuda
 from relocator.snapshot.fingerprint import Fingerprint, Mismatch, compatibility, host_fingerprint
 from relocator.snapshot.manifest import (
@@ -72,23 +73,19 @@ class RestoreTarget:
     fingerprint: Fingerprint | None = None
     verify: str = "auto"
     cell_id: str | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def _noop(_step: str, _frac: float | None) -> None:
     pass
 
 
-def _launch_spec(cell: Cell) -> LaunchSpec:
-    data = dict(cell.launch)
-    data["model_dir"] = Path(data["model_dir"])
-    return LaunchSpec(**data)
-
-
 def engine_fingerprint_for(cell_launch: dict, engine: str) -> EngineFingerprint:
-    data = dict(cell_launch)
-    data["model_dir"] = Path(data["model_dir"])
-    return get_adapter(engine).fingerprint(LaunchSpec(**data))
+    return get_adapter(engine).fingerprint(spec_from_dict(cell_launch))
+
+
+def fingerprint_of(cell: Cell) -> Fingerprint:
+    """This host and the cell's engine: what an image of `cell` taken here will carry."""
+    return Fingerprint(host=host_fingerprint(), engine=engine_fingerprint_for(cell.launch, cell.engine))
 
 
 def _shm_files(cell: Cell) -> set[str]:
@@ -110,7 +107,7 @@ def dump(cell: Cell, image_dir: Path, progress: Progress = _noop) -> Image:
     timings: dict[str, float] = {}
     t0 = time.monotonic()
     progress("fingerprint", None)
-    fingerprint = Fingerprint(host=host_fingerprint(), engine=engine_fingerprint_for(cell.launch, cell.engine))
+    fingerprint = fingerprint_of(cell)
     timings["fingerprint_s"] = time.monotonic() - t0
     shm_before = _shm_files(cell)
     cuda_pids: list[int] = []
@@ -203,8 +200,11 @@ def restore(image: Image | Path, target: RestoreTarget | None = None, progress: 
     mismatch) before anything is started; CriuError if CRIU fails. The source is never touched.
     """
     target = target or RestoreTarget()
-    image = inspect_image(image) if isinstance(image, (str, Path)) else image
-    manifest = read_manifest(image.path)  # re-read: the files on disk are what gets restored
+    path = Path(image) if isinstance(image, (str, Path)) else image.path
+    if not path.is_dir():
+        raise ImageError(f"{path}: no such image directory")
+    manifest = read_manifest(path)  # (re)read: the files on disk are what gets restored
+    image = Image(path=path, manifest=manifest)
     t0 = time.monotonic()
     if target.verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, not {target.verify!r}")
