@@ -328,3 +328,68 @@ def test_target_dying_after_restore_rolls_back_to_the_stopped_source(env, when: 
     assert be.live() == [("n1", "c1")] and ("kill", "n1", "c1") not in be.calls
     assert be.router["w1"] == {"endpoint": "http://a", "held": False}
     assert store.worker("w1").node == "n1"
+
+
+def test_target_node_lost_before_switch_rolls_back(env) -> None:
+    """The target node is declared dead after RESTORE (its agent answers `lost`): no switch to
+    it, the stopped source resumes and serves, the target copy is killed (fenced)."""
+    store, be = env
+    real_restore = be.restore
+
+    def restore(node, image_dir, cell, verified=False):
+        info = real_restore(node, image_dir, cell, verified)
+        be.cells[(node, cell)] = "lost"
+        return info
+
+    be.restore = restore
+    rel = Machine(store, be).run(Relocation(id="r1", worker="w1", src="n1", dst="n2"))
+    assert rel.result == ROLLED_BACK and "lost" in rel.error
+    assert ("kill", "n2", "w1-r1") in be.calls
+    assert be.live() == [("n1", "c1")]
+    assert be.router["w1"] == {"endpoint": "http://a", "held": False}
+    assert not [c for c in be.calls if c[0] == "switch" and c[2] != "http://a"]
+
+
+def test_source_node_lost_leaves_the_worker_lost_and_held(env) -> None:
+    """The source node goes while its copy is dumped and the target restore fails: there is no
+    copy left; the worker is marked lost (the controller replaces it) and stays held, instead
+    of the router being pointed back at a dead endpoint."""
+    store, be = env
+    real_dump = be.dump
+
+    def dump(node, cell, image_dir):
+        info = real_dump(node, cell, image_dir)
+        be.cells[(node, cell)] = "lost"
+        return info
+
+    be.dump = dump
+    rel = Machine(store, be).run(Relocation(id="r1", worker="w1", src="n1", dst="n2", faults={"restore": True}))
+    assert rel.result == FAILED
+    w = store.worker("w1")
+    assert w.state == "lost" and "gone" in w.error
+    assert be.router["w1"]["held"] is True
+    assert not any(c[0] == "switch" for c in be.calls)
+    assert be.live() == []
+
+
+def test_last_image_is_kept_for_a_warm_restart_and_the_older_one_dropped(env) -> None:
+    store, be = env
+    m = Machine(store, be, keep_last_image=True)
+    rel = m.run(Relocation(id="r1", worker="w1", src="n1", dst="n2"))
+    assert rel.result == DONE
+    w = store.worker("w1")
+    assert (w.last_image_node, w.last_image) == ("n1", "/img/n1/r1")
+    assert be.images == {("n1", "/img/n1/r1")}
+    rel = m.run(Relocation(id="r2", worker="w1", src="n2", dst="n1"))
+    assert rel.result == DONE
+    w = store.worker("w1")
+    assert (w.last_image_node, w.last_image) == ("n2", "/img/n2/r2")
+    assert be.images == {("n2", "/img/n2/r2")}  # only the newest
+
+
+def test_streamed_moves_keep_no_image(env) -> None:
+    """Without shared storage the image lives on one node's disk: not kept."""
+    store, be = env
+    rel = Machine(store, be, keep_last_image=True).run(
+        Relocation(id="r1", worker="w1", src="n1", dst="n2", transfer="stream"))
+    assert rel.result == DONE and be.images == set() and store.worker("w1").last_image == ""

@@ -119,3 +119,22 @@ def test_agent_forgets_dead_cells_and_readopts_live_ones(tmp_path: Path, monkeyp
     assert [c["id"] for c in agent.cells()] == ["live1"]
     assert agent.cell_state("live1") == "running" and agent.cell_state("nope") == "absent"
     assert agent.ping()["node"] == "n1"
+
+
+def test_a_dead_node_keeps_its_name_in_the_inventory(monkeypatch) -> None:
+    """Ray lists a dead node without its resources; the inventory names it from what it saw."""
+    import ray
+    from ray._private import state
+
+    from relocator.controller.inventory import ray_nodes
+
+    nodes = [{"NodeID": "a", "Alive": True, "Resources": {"GPU": 4.0, "relocator_node:n1": 1.0}},
+             {"NodeID": "b", "Alive": False, "Resources": {}},
+             {"NodeID": "c", "Alive": False, "Resources": {}}]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    monkeypatch.setattr(state, "available_resources_per_node", lambda: {"a": {"GPU": 3.0}})
+    out = ray_nodes({"b": "n2"})
+    assert set(out) == {"n1", "n2"}
+    assert out["n1"].alive and out["n1"].gpus_free == 3
+    assert not out["n2"].alive and out["n2"].gpus_free == 0
+    assert set(ray_nodes()) == {"n1"}

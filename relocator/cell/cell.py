@@ -13,11 +13,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from relocator.cell import netns
 from relocator.paths import state_dir, tail
@@ -27,6 +29,33 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 class CellError(RuntimeError):
     pass
+
+
+def boot_id() -> str:
+    """This host's boot id: a recorded PID means something only on the boot that wrote it."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+_STATE_DIR_LOCK = threading.Lock()
+
+
+@contextmanager
+def using_state_dir(path: str | Path) -> Iterator[None]:
+    """Act on another node's cell records (a local cluster keeps every node's state dir on
+    this host): cleanup after `down`, leak checks, fencing a lost node."""
+    with _STATE_DIR_LOCK:
+        old = os.environ.get("RELOCATOR_STATE_DIR")
+        os.environ["RELOCATOR_STATE_DIR"] = str(path)
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop("RELOCATOR_STATE_DIR", None)
+            else:
+                os.environ["RELOCATOR_STATE_DIR"] = old
 
 
 @dataclass
@@ -40,6 +69,7 @@ class Cell:
     launch: dict[str, Any] = field(default_factory=dict)  # the engine LaunchSpec, as data
     origin: str = "launch"  # or "restore:<image>"
     created_at: float = field(default_factory=time.time)
+    boot_id: str = field(default_factory=boot_id)  # the host boot its PIDs belong to
 
     @property
     def endpoint(self) -> str:
@@ -72,6 +102,8 @@ class Cell:
         return out
 
     def is_alive(self) -> bool:
+        if self.boot_id and self.boot_id != boot_id():
+            return False  # recorded on another host or boot: its PID is someone else's now
         try:
             state = Path(f"/proc/{self.init_pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:

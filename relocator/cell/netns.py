@@ -73,7 +73,14 @@ def create(name: str) -> NetLink:
         if record.exists() and Path(f"/run/netns/{name}").exists():
             return NetLink(**json.loads(record.read_text()))
         used = {json.loads(p.read_text())["block"] for p in reg.glob("*.json")}
-        block = next((b for b in range(1, MAX_BLOCKS) if b not in used), None)
+        # round robin, not lowest free: a block just released (a killed cell) is not handed out
+        # again at once, so stale connections to the old address never reach a new cell
+        try:
+            last = int((reg / ".last").read_text())
+        except (OSError, ValueError):
+            last = 0
+        order = [*range(last + 1, MAX_BLOCKS), *range(1, last + 1)]
+        block = next((b for b in order if b not in used), None)
         if block is None:
             raise NetnsError(f"address pool {POOL} exhausted")
         host_ip, cell_ip = _addresses(block)
@@ -92,6 +99,7 @@ def create(name: str) -> NetLink:
             _teardown(name, host_if)
             raise
         record.write_text(json.dumps(asdict(link)))
+        (reg / ".last").write_text(str(block))
         return link
 
 

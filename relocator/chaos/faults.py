@@ -62,8 +62,11 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "SIGTERM the router during DUMP (streams are held); the cluster daemon restarts it "
           "and the controller re-registers the workers", requests_may_fail=True),
     Fault("node-loss", "RESTORE", ("rolled_back", "done"),
-          "SIGKILL the target node's raylet during RESTORE: the node is gone for good; the "
-          "worker must end up serving on a live node",
+          "SIGKILL the target node's raylet during RESTORE: the node is gone for good (its "
+          "processes keep running on this host, as behind a network partition, until the "
+          "controller fences them). Rolled back if Ray declares the node dead before SWITCH; "
+          "otherwise the move completes and the controller replaces the lost worker from its "
+          "last image. Either way it must end up serving on a live node",
           destructive=True),
 )}
 

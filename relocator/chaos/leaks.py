@@ -32,25 +32,15 @@ def total(leaked: dict[str, list]) -> int:
 
 
 # ---- collectors (real system) -----------------------------------------------------------------
-def _with_state_dir(state: Path, fn):
-    old = os.environ.get("RELOCATOR_STATE_DIR")
-    os.environ["RELOCATOR_STATE_DIR"] = str(state)
-    try:
-        return fn()
-    finally:
-        if old is None:
-            os.environ.pop("RELOCATOR_STATE_DIR", None)
-        else:
-            os.environ["RELOCATOR_STATE_DIR"] = old
-
-
 def cells(base: Path) -> dict[str, Any]:
     """{"<node>/<cell>": cell} for every cell recorded under base/nodes/*/state."""
-    from relocator.cell.cell import list_cells
+    from relocator.cell.cell import list_cells, using_state_dir
 
     out = {}
     for state in sorted(Path(base).glob("nodes/*/state")):
-        for c in _with_state_dir(state, list_cells):
+        with using_state_dir(state):
+            found = list_cells()
+        for c in found:
             out[f"{state.parent.name}/{c.id}"] = c
     return out
 

@@ -337,14 +337,16 @@ def _status(ctl, tries: int = 600) -> dict:
     return ctl.status()
 
 
-def _detected_at(rel: dict, inj: Injector | None) -> float | None:
+def _detected_at(rel: dict, inj: Injector | None, lost_at: float | None = None) -> float | None:
     """Fault detection: the injection itself for a dead controller or router (Ray and the
-    daemon notice at once), else the end of the first failed phase, else the injection."""
+    daemon notice at once), else the end of the first failed phase or the controller seeing
+    the node lost (`lost_at`), whichever came first, else the injection."""
     if inj and inj.injected and inj.fault.name in ("kill-controller", "kill-controller-switch", "restart-router"):
         return inj.at
-    for p in rel.get("phases", []):
-        if p.get("ok") is False and p.get("ended"):
-            return float(p["ended"])
+    seen = [float(p["ended"]) for p in rel.get("phases", []) if p.get("ok") is False and p.get("ended")]
+    seen += [lost_at] if lost_at else []
+    if seen:
+        return min(seen)
     return inj.at if inj and inj.injected else None
 
 
@@ -380,6 +382,23 @@ def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConf
         time.sleep(0.02)
         rel = still()
     timed_out = rel.get("result") == "running"
+    node_alive = True
+    lost_at = None
+    if fault and fault.destructive:
+        # Ray declares the node dead after its health checks fail; a worker that ended up there
+        # (the move completed first) is then marked lost and replaced (from its last image)
+        t_end = time.monotonic() + cfg.move_timeout_s
+        while time.monotonic() < t_end:
+            st = _status(ctl)
+            nodes = {n["id"]: n for n in st["nodes"]}
+            w = next((x for x in st["workers"] if x["id"] == worker["id"]), None)
+            node_alive = bool(w) and nodes.get(w["node"], {}).get("alive", False)
+            lost_at = nodes.get(rel.get("dst"), {}).get("lost_at")
+            if probe and w and w.get("endpoint"):
+                probe.add(w["endpoint"])
+            if lost_at and node_alive and w["state"] in ("running", "failed"):
+                break
+            time.sleep(0.2)
     # serving again: a probe to the worker's endpoint now, answered
     st = _status(ctl)
     w = next((x for x in st["workers"] if x["id"] == worker["id"]), None)
@@ -396,21 +415,12 @@ def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConf
             if not serving:
                 time.sleep(0.2)
     if probe:
-        det = _detected_at(rel, inj)
+        det = _detected_at(rel, inj, lost_at)
         if det is not None and ep:
             at = probe.serving_at(ep, det)
             # never negative: a source that kept serving (its dump was cut short) counts as 0
             serve_again = round(max(0.0, at - det), 3) if at else None
         probe.stop()
-    node_alive = True
-    if fault and fault.destructive and w:
-        t_end = time.monotonic() + 40  # Ray marks a node dead after its health checks fail
-        while time.monotonic() < t_end:
-            nodes = {n["id"]: n.get("alive", True) for n in _status(ctl)["nodes"]}
-            node_alive = nodes.get(w["node"], False)
-            if not nodes.get(rel.get("dst"), True):
-                break
-            time.sleep(1.0)
     settle_s = _settle(ctl)
     out = {"step": step.index, "fault": step.fault, "relocation": rid, "worker": worker["id"],
            "from": rel.get("src"), "to": dst, "result": "timeout" if timed_out else rel.get("result"),
@@ -421,7 +431,7 @@ def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConf
            "worker_after": {k: w.get(k) for k in ("node", "state", "cell", "endpoint")} if w else None,
            "serving": serving, "worker_node_alive": node_alive, "settle_s": settle_s}
     if inj:
-        out.update(injected=inj.injected, injected_at=inj.at, detected_at=_detected_at(rel, inj),
+        out.update(injected=inj.injected, injected_at=inj.at, detected_at=_detected_at(rel, inj, lost_at),
                    serve_again_s=serve_again, source_serving_s=(rel.get("rollback") or {}).get("source_serving_s"),
                    detail=inj.detail)
     say(f"  move {step.index}: {worker['id']} {rel.get('src')}→{dst} {step.fault or 'plain'}: {out['result']}"
@@ -459,14 +469,14 @@ def _our_netns(workers: list[str], moves: list[dict]) -> set[str]:
 
 
 def _expected(st: dict, moves: list[dict]) -> dict[str, set[str]]:
-    """What must exist now: each worker's cell and netns, and its reservation (that of the
-    last relocation that moved it, else its launch's)."""
+    """What must exist now: each worker's cell and netns, its reservation and its newest image
+    (kept for a warm restart)."""
     cells = {f"{w['node']}/{w['cell']}" for w in st["workers"]}
-    pgs = set()
-    for w in st["workers"]:
-        done = [m["relocation"] for m in moves if m.get("worker") == w["id"] and m.get("result") == "done"]
-        pgs.add(f"relocator-{w['id']}-{done[-1]}" if done else f"relocator-{w['id']}-launch")
-    return {"cells": cells, "netns": {"rl-" + w["cell"] for w in st["workers"]}, "placement_groups": pgs}
+    pgs = {w["reservation"] for w in st["workers"] if w.get("reservation")}
+    images = {f"{Path(w['last_image']).parent.parent.name}/{Path(w['last_image']).name}"
+              for w in st["workers"] if w.get("last_image")}
+    return {"cells": cells, "netns": {"rl-" + w["cell"] for w in st["workers"]}, "placement_groups": pgs,
+            "images": images}
 
 
 def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = lambda *_: None) -> dict[str, Any]:

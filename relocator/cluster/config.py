@@ -19,6 +19,10 @@ class ClusterSection(BaseModel):
     cpus_per_node: int = Field(1, ge=0, le=64)
     object_store_mb: int = Field(512, ge=78)
     base_dir: str = "/var/lib/relocator/cluster"
+    # how fast Ray declares a node dead (Ray's defaults: 3 s x 5 failures); a lost node's
+    # workers are replaced only then
+    health_check_period_ms: int = Field(1000, ge=100)
+    health_check_failure_threshold: int = Field(3, ge=1)
 
 
 class RouterSection(BaseModel):
@@ -32,6 +36,8 @@ class ControllerSection(BaseModel):
     policy: str = "best-fit"
     reconcile_interval_s: float = Field(2.0, gt=0)
     keep_images: bool = False
+    # keep each worker's newest image (shared storage only) so a lost worker restarts warm
+    keep_last_image: bool = True
 
 
 class LocalConfig(BaseSettings):

@@ -122,19 +122,12 @@ def down(base_dir: str | Path | None = None, timeout: float = 90.0) -> dict[str,
 
 def _kill_leftover_cells(base: Path) -> list[str]:
     """Cells recorded under any node's state dir (normally none: the daemon kills them)."""
-    from relocator.cell.cell import list_cells
+    from relocator.cell.cell import list_cells, using_state_dir
 
     killed = []
     for state in sorted((base / "nodes").glob("*/state")):
-        old = os.environ.get("RELOCATOR_STATE_DIR")
-        os.environ["RELOCATOR_STATE_DIR"] = str(state)
-        try:
+        with using_state_dir(state):
             for cell in list_cells():
                 cell.kill()
                 killed.append(cell.id)
-        finally:
-            if old is None:
-                os.environ.pop("RELOCATOR_STATE_DIR", None)
-            else:
-                os.environ["RELOCATOR_STATE_DIR"] = old
     return killed

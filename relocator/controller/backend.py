@@ -15,6 +15,15 @@ if TYPE_CHECKING:
     from relocator.controller.controller import Controller
 
 AGENT_TIMEOUT_S = 600.0
+NODE_CHECK_S = 1.0  # how often a waiting agent call asks whether the node is still alive
+
+
+class NodeLost(RuntimeError):
+    """The node's agent cannot be reached because Ray declared the node dead."""
+
+    def __init__(self, node: str) -> None:
+        super().__init__(f"node {node} is lost (Ray declared it dead)")
+        self.node = node
 
 
 class RayBackend:
@@ -27,10 +36,35 @@ class RayBackend:
 
         return ray.get_actor(agent_name(node), namespace=NAMESPACE)
 
+    def node_alive(self, node: str, fresh: bool = False) -> bool:
+        info = self.ctl.inventory(refresh=fresh).get(node)
+        return info is not None and info.alive
+
     def call(self, node: str, method: str, *args, timeout: float = AGENT_TIMEOUT_S, **kw):
+        """`method` on `node`'s agent. Fails fast with NodeLost once Ray declares the node dead:
+        a call queued on the agent of a dead node (restarting, unplaceable) would never end."""
         import ray
 
-        return ray.get(getattr(self.agent(node), method).remote(*args, **kw), timeout=timeout)
+        if not self.node_alive(node):
+            raise NodeLost(node)
+        ref = getattr(self.agent(node), method).remote(*args, **kw)
+        deadline = time.monotonic() + timeout
+        while True:
+            ready, _ = ray.wait([ref], timeout=min(NODE_CHECK_S, max(0.0, deadline - time.monotonic())))
+            if ready:
+                return ray.get(ref)
+            if not self.node_alive(node, fresh=True):
+                ray.cancel(ref, force=False)
+                raise NodeLost(node)
+            if time.monotonic() >= deadline:
+                ray.cancel(ref, force=False)
+                raise TimeoutError(f"agent of {node}: {method} did not answer within {timeout:.0f}s")
+
+    def fence(self, node: str, cell_ids: list[str] | None = None) -> dict:
+        """Stop a lost node's cells without its agent (see relocator.cell.fence)."""
+        from relocator.cell.fence import fence_cells
+
+        return fence_cells(self.ctl.node_dir(node) / "state", cell_ids)
 
     # -- planning ------------------------------------------------------------------------------
     def pick_target(self, worker: WorkerRecord) -> str:
@@ -114,10 +148,13 @@ class RayBackend:
         return self.call(node, "restore", image_dir, cell_id, verify="auto")
 
     def cell_state(self, node: str, cell_id: str) -> str:
+        """running | stopped | absent, or lost when the node is gone."""
         deadline = time.monotonic() + AGENT_TIMEOUT_S
         while True:  # an agent that is restarting answers a moment later
             try:
                 return self.call(node, "cell_state", cell_id)
+            except NodeLost:
+                return "lost"
             except Exception:
                 if time.monotonic() > deadline:
                     raise
@@ -127,7 +164,22 @@ class RayBackend:
         self.call(node, "resume", cell_id)
 
     def kill(self, node: str, cell_id: str) -> None:
-        self.call(node, "kill", cell_id)
+        """Kill a cell through its agent; on a lost node (or an agent that died with it),
+        fence it from here."""
+        try:
+            self.call(node, "kill", cell_id)
+        except NodeLost:
+            self.fence(node, [cell_id])
+        except Exception:
+            if self.node_alive(node, fresh=True):
+                raise
+            self.fence(node, [cell_id])
 
     def remove_image(self, node: str, image_dir: str) -> None:
-        self.call(node, "remove_image", image_dir)
+        try:
+            self.call(node, "remove_image", image_dir)
+        except NodeLost:
+            import shutil
+
+            # shared storage (or this very host): the files are reachable from here
+            shutil.rmtree(image_dir, ignore_errors=True)

@@ -13,17 +13,19 @@ import os
 import threading
 import time
 import traceback
+import uuid
 from pathlib import Path
 from typing import Any
 
 from relocator.agent.agent import NAMESPACE, start_agent
-from relocator.controller.backend import RayBackend
+from relocator.controller.backend import NodeLost, RayBackend
 from relocator.controller.inventory import NodeInfo, best_fit, ray_nodes
 from relocator.controller.machine import Machine
-from relocator.controller.model import DONE, RUNNING, Relocation, WorkerRecord
+from relocator.controller.model import RUNNING, Relocation, WorkerRecord
 from relocator.controller.store import Store
 
 CONTROLLER_NAME = "relocator-controller"
+ORPHAN_AFTER_S = 60.0  # a cell nobody owns is killed once it is this old
 log = logging.getLogger("relocator.controller")
 
 
@@ -45,7 +47,8 @@ class Controller:
         self.interval = float(config.get("reconcile_interval_s", 2.0))
         self.store = Store(self.base_dir / "controller.db")
         self.backend = RayBackend(self)
-        self.machine = Machine(self.store, self.backend, keep_images=bool(config.get("keep_images", False)))
+        self.machine = Machine(self.store, self.backend, keep_images=bool(config.get("keep_images", False)),
+                               keep_last_image=bool(config.get("keep_last_image", True)))
         self._lock = threading.RLock()
         self._busy: set[str] = set()
         self._threads: dict[str, threading.Thread] = {}
@@ -55,6 +58,7 @@ class Controller:
         self.started_at = time.time()
         self._stop = threading.Event()
         self._pending_reservations: set[str] = set()
+        self._lost_nodes: dict[str, float] = {}  # node -> when this controller saw it lost
         self.agents = {}
         for name, info in self.inventory(refresh=True).items():
             self.agents[name] = start_agent(name, info.ray_node_id, str(self.node_dir(name) / "state"),
@@ -62,6 +66,8 @@ class Controller:
         for w in self.store.workers():  # a launch the previous controller did not finish
             if w.state == "starting":
                 self._abandon_launch(w)
+            elif w.state == "replacing":  # a replacement: its half-started copy goes, it is lost again
+                self._abandon_launch(w, keep_record=True)
         self.recovering = [r.id for r in self.store.open_relocations()]
         for rel in self.store.open_relocations():
             self._busy.add(rel.worker)
@@ -82,7 +88,11 @@ class Controller:
     def inventory(self, refresh: bool = False) -> dict[str, NodeInfo]:
         with self._lock:
             if refresh or time.monotonic() - self._nodes_at > 1.0:
-                self._nodes = ray_nodes()
+                known = {d["ray_node_id"]: d["id"] for d in self.store.all("node")}
+                self._nodes = ray_nodes(known)
+                for n in self._nodes.values():  # remembered: Ray lists a dead node without its name
+                    if n.alive and known.get(n.ray_node_id) != n.id:
+                        self.store.put("node", n.ray_node_id, {"id": n.id, "ray_node_id": n.ray_node_id})
                 self._nodes_at = time.monotonic()
             return dict(self._nodes)
 
@@ -96,7 +106,8 @@ class Controller:
 
     def reconcile_once(self) -> dict:
         stats = {}
-        for step in (self.update_nodes, self.update_workers, self.update_router, self.update_reservations):
+        for step in (self.update_nodes, self.update_workers, self.update_router, self.update_reservations,
+                     self.update_cells):
             t0 = time.monotonic()
             try:
                 step()
@@ -107,21 +118,130 @@ class Controller:
         return self.loop_stats
 
     def update_nodes(self) -> None:
-        self.inventory(refresh=True)
+        """A node Ray declares dead is fenced once: what of it runs here is killed (a lost
+        node's copies must never serve again next to their replacements). A worker's own cell
+        is left to its replacement, which holds the router's traffic before killing it."""
+        nodes = self.inventory(refresh=True)
+        for name, info in nodes.items():
+            if info.alive or name in self._lost_nodes:
+                continue
+            self._lost_nodes[name] = time.time()
+            with self._lock:
+                cells = {c.name for c in (self.node_dir(name) / "state" / "cells").glob("*")}
+                cells -= {w.cell_id for w in self.store.workers() if w.node == name and w.id not in self._busy}
+            try:
+                log.warning("node %s is lost; fenced: %s", name, self.backend.fence(name, sorted(cells)))
+            except Exception as exc:  # noqa: BLE001
+                log.warning("node %s is lost; fencing failed: %s", name, exc)
 
     def update_workers(self) -> None:
-        """Observed vs recorded: a running worker whose cell is gone is marked failed."""
+        """Observed vs recorded: a running worker whose node is lost or whose cell is gone is
+        marked lost; every lost worker is replaced (a fresh launch elsewhere, see _replace)."""
         for w in self.store.workers():
-            if w.state != "running" or w.id in self._busy:
+            if w.id in self._busy or w.state not in ("running", "lost"):
                 continue
-            state = self.backend.call(w.node, "cell_state", w.cell_id, timeout=30)
-            with self._lock:
-                cur = self.store.worker(w.id)
-                if w.id in self._busy or cur is None or cur.cell_id != w.cell_id or cur.state != "running":
+            if w.state == "running":
+                try:
+                    state = self.backend.call(w.node, "cell_state", w.cell_id, timeout=30)
+                except NodeLost:
+                    state = "lost"
+                if state not in ("absent", "lost"):
                     continue
-                if state == "absent":
-                    w.state, w.error = "failed", f"cell {w.cell_id} is gone"
+                with self._lock:
+                    cur = self.store.worker(w.id)
+                    if w.id in self._busy or cur is None or cur.cell_id != w.cell_id or cur.state != "running":
+                        continue
+                    w.state = "lost"
+                    w.error = f"node {w.node} is lost" if state == "lost" else f"cell {w.cell_id} is gone"
                     self.store.save_worker(w)
+            with self._lock:
+                if w.id in self._busy:
+                    continue
+                self._busy.add(w.id)
+            threading.Thread(target=self._replace, args=(w,), name=f"replace-{w.id}", daemon=True).start()
+
+    def _start_copy(self, w: WorkerRecord, node: str) -> tuple[str, dict]:
+        """A new copy of `w` on `node`: restored from its newest image when there is one (warm,
+        seconds), else a cold launch (the engine loads and compiles again)."""
+        if w.last_image and Path(w.last_image).exists():
+            try:
+                return "restored from its last image", self.backend.restore(node, w.last_image, w.cell_id)
+            except Exception as exc:  # noqa: BLE001 - fall back to a cold start
+                log.warning("warm restart of %s from %s failed (%s); launching cold", w.id, w.last_image, exc)
+                try:
+                    self.backend.kill(node, w.cell_id)
+                except Exception:  # noqa: BLE001
+                    pass
+        return "cold launch", self.backend.call(node, "launch", w.cell_id, w.model_dir, w.model, 8000)
+
+    def _drop_last_image(self, w: WorkerRecord) -> None:
+        if w.last_image:
+            try:
+                self.backend.remove_image(w.last_image_node, w.last_image)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("could not remove %s: %s", w.last_image, exc)
+
+    def update_cells(self) -> None:
+        """Cells on live nodes that no worker or open relocation owns (left by a failed kill, a
+        node that came back, an interrupted launch) are killed once they are a minute old."""
+        listed = {name: self.backend.call(name, "cells", timeout=30)
+                  for name, info in self.inventory().items() if info.alive}
+        # the store is read after the agents: a cell is recorded before it is created
+        owned = {w.cell_id for w in self.store.workers()}
+        for r in self.store.open_relocations():
+            owned |= {r.src_cell, r.dst_cell}
+        for node, cells in listed.items():
+            for c in cells:
+                if c["id"] not in owned and time.time() - float(c.get("created_at", 0)) > ORPHAN_AFTER_S:
+                    log.warning("killing orphan cell %s on %s", c["id"], node)
+                    self.backend.kill(node, c["id"])
+
+    def _replace(self, w: WorkerRecord) -> None:
+        """A lost worker gets a fresh copy on a live node: the router holds its requests (and
+        the streams cut with the old copy) meanwhile and continues them on the new one."""
+        t0 = time.monotonic()
+        old_node, old_cell, old_reservation = w.node, w.cell_id, w.reservation
+        try:
+            try:
+                self.backend.hold(w.id)
+            except Exception as exc:  # noqa: BLE001 - the router may be restarting; switch registers
+                log.warning("replace %s: hold failed: %s", w.id, exc)
+            try:
+                self.backend.kill(old_node, old_cell)
+            except Exception as exc:  # noqa: BLE001 - left to update_cells / fencing
+                log.warning("replace %s: could not kill %s on %s: %s", w.id, old_cell, old_node, exc)
+            self.backend.free(old_reservation)
+            nodes = self.inventory(refresh=True)
+            node = best_fit({n.id: n.gpus_free for n in nodes.values() if n.alive}, w.gpus,
+                            totals={n.id: n.gpus_total for n in nodes.values()}, policy=self.policy)
+            if node is None:
+                raise RuntimeError(f"no live node has {w.gpus} free GPU(s)")
+            tag = uuid.uuid4().hex[:6]
+            w.node, w.cell_id, w.reservation, w.endpoint = node, f"{w.id}-x{tag}", f"relocator-{w.id}-x{tag}", ""
+            w.state = "replacing"  # a controller restarted now kills this copy and starts again
+            self.store.save_worker(w)
+            self.backend.reserve(w, node, w.reservation)
+            how, info = self._start_copy(w, node)
+            w.endpoint = info["endpoint"]
+            self.backend.switch(w.id, w.endpoint)
+            w.state, w.error = "running", ""
+            w.replacements += 1
+            self.store.save_worker(w)
+            log.warning("replaced lost worker %s (%s on %s) by %s on %s (%s) in %.1fs", w.id, old_cell, old_node,
+                        w.cell_id, node, how, time.monotonic() - t0)
+        except Exception as exc:  # noqa: BLE001
+            log.error("could not replace lost worker %s: %s", w.id, exc)
+            for fn in (lambda: self.backend.kill(w.node, w.cell_id), lambda: self.backend.free(w.reservation),
+                       lambda: self.router().remove_replica(w.id)):  # held requests get their error now
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001
+                    pass
+            w.state, w.error = "failed", f"lost ({w.error}); replacement failed: {exc}"
+            self.store.save_worker(w)
+        finally:
+            with self._lock:
+                self._busy.discard(w.id)
 
     def update_router(self) -> None:
         """The router's table vs the workers: a router that restarted (empty table) or missed
@@ -218,13 +338,17 @@ class Controller:
                 self._busy.discard(wid)
                 self._pending_reservations.discard(w.reservation)
 
-    def _abandon_launch(self, w: WorkerRecord) -> None:
+    def _abandon_launch(self, w: WorkerRecord, keep_record: bool = False) -> None:
         for fn in (lambda: self.backend.kill(w.node, w.cell_id), lambda: self.backend.free(w.reservation)):
             try:
                 fn()
             except Exception as exc:  # noqa: BLE001
                 log.warning("cleaning up interrupted launch of %s: %s", w.id, exc)
-        self.store.delete_worker(w.id)
+        if keep_record:
+            w.state = "lost"
+            self.store.save_worker(w)
+        else:
+            self.store.delete_worker(w.id)
 
     def stop_worker(self, worker_id: str) -> dict:
         w = self.store.worker(worker_id)
@@ -241,6 +365,7 @@ class Controller:
                 pass
             self.backend.kill(w.node, w.cell_id)
             self.backend.free(w.reservation)
+            self._drop_last_image(w)
             self.store.delete_worker(worker_id)
             return {"id": worker_id, "stopped": True}
         finally:
@@ -341,9 +466,11 @@ class Controller:
         return {
             "router_url": self.router_url,
             "router_control_url": self.router_control_url,
-            "nodes": [n.to_dict() for n in nodes.values()],
+            "nodes": [{**n.to_dict(), "lost_at": self._lost_nodes.get(n.id)} for n in nodes.values()],
             "workers": [{"id": w.id, "model": w.model, "node": w.node, "state": w.state, "endpoint": w.endpoint,
-                         "gpus": w.gpus, "cell": w.cell_id, "error": w.error} for w in self.store.workers()],
+                         "gpus": w.gpus, "cell": w.cell_id, "reservation": w.reservation,
+                         "replacements": w.replacements, "last_image": w.last_image,
+                         "error": w.error} for w in self.store.workers()],
             "relocations": [r.summary() for r in self.store.relocations()],
             "controller": {**self.ping(), "loop": self.loop_stats},
         }
@@ -367,6 +494,7 @@ class Controller:
                 pass
             self.backend.free(w.reservation)
             out["freed"].append(w.reservation)
+            self._drop_last_image(w)
             self.store.delete_worker(w.id)
         return out
 

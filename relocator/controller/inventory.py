@@ -25,8 +25,9 @@ class NodeInfo:
                 "gpus_free": self.gpus_free, "alive": self.alive}
 
 
-def ray_nodes() -> dict[str, NodeInfo]:
-    """The relocator nodes of the connected Ray cluster, by name."""
+def ray_nodes(known: dict[str, str] | None = None) -> dict[str, NodeInfo]:
+    """The relocator nodes of the connected Ray cluster, by name. Ray lists a dead node without
+    its resources: `known` ({ray node id: name}, what was seen before) names it, as lost."""
     import ray
     from ray._private import state
 
@@ -38,6 +39,11 @@ def ray_nodes() -> dict[str, NodeInfo]:
     out: dict[str, NodeInfo] = {}
     for n in ray.nodes():
         names = [k[len(NODE_RESOURCE):] for k in n.get("Resources", {}) if k.startswith(NODE_RESOURCE)]
+        if not names and not n["Alive"] and n["NodeID"] in (known or {}):
+            name = known[n["NodeID"]]
+            if name not in out:  # a live node of that name (re-added) wins
+                out[name] = NodeInfo(name, n["NodeID"], 0, 0, False)
+            continue
         if not names:
             continue
         total = int(n["Resources"].get("GPU", 0))

@@ -66,7 +66,7 @@ class Backend(Protocol):
     def dump(self, node: str, cell_id: str, image_dir: str) -> dict: ...
     def transfer(self, src: str, dst: str, image_dir: str, dst_image_dir: str) -> dict: ...
     def restore(self, node: str, image_dir: str, cell_id: str, verified: bool = False) -> dict: ...
-    def cell_state(self, node: str, cell_id: str) -> str: ...  # running | stopped | absent
+    def cell_state(self, node: str, cell_id: str) -> str: ...  # running | stopped | absent | lost
     def resume(self, node: str, cell_id: str) -> None: ...
     def kill(self, node: str, cell_id: str) -> None: ...
     def remove_image(self, node: str, image_dir: str) -> None: ...
@@ -82,13 +82,15 @@ def _default_crash(after_s: float) -> None:  # pragma: no cover - kills the proc
 class Machine:
     """Runs one relocation at a time per call; the controller runs several on threads."""
 
-    def __init__(self, store: Store, backend: Backend, *, keep_images: bool = False,
+    def __init__(self, store: Store, backend: Backend, *, keep_images: bool = False, keep_last_image: bool = False,
                  on_crash: Callable[[float], None] = _default_crash,
                  on_update: Callable[[Relocation], None] | None = None,
                  switch_retries: int = 3, router_retry_s: float = 5.0) -> None:
         self.store = store
         self.backend = backend
         self.keep_images = keep_images
+        # a worker's newest image (shared storage) is kept: a lost worker restarts from it warm
+        self.keep_last_image = keep_last_image
         self.on_crash = on_crash
         self.on_update = on_update
         self.switch_retries = switch_retries
@@ -243,21 +245,30 @@ class Machine:
         self.backend.kill(rel.src, rel.src_cell)
         if rel.src_reservation:
             self.backend.free(rel.src_reservation)
-        self._cleanup_images(rel)
         w = self.store.worker(w.id) or w
+        keep = self.keep_last_image and rel.transfer == "shared" and bool(rel.image_dir)
+        old_image = (w.last_image_node, w.last_image)
+        self._cleanup_images(rel, keep=rel.image_dir if keep else None)
+        if keep:
+            w.last_image, w.last_image_node = rel.image_dir, rel.src
+            if old_image[1] and old_image[1] != rel.image_dir and not self.keep_images:
+                self._remove_image(*old_image)
         w.state = "running"
         self.store.save_worker(w)
-        return {}
+        return {"kept_image": rel.image_dir} if keep else {}
 
-    def _cleanup_images(self, rel: Relocation) -> None:
+    def _remove_image(self, node: str, path: str) -> None:
+        try:
+            self.backend.remove_image(node, path)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not remove image %s on %s: %s", path, node, exc)
+
+    def _cleanup_images(self, rel: Relocation, keep: str | None = None) -> None:
         if self.keep_images:
             return
         for node, path in ((rel.src, rel.image_dir), (rel.dst, rel.dst_image_dir)):
-            if path and node:
-                try:
-                    self.backend.remove_image(node, path)
-                except Exception as exc:  # noqa: BLE001
-                    log.warning("could not remove image %s on %s: %s", path, node, exc)
+            if path and node and path != keep:
+                self._remove_image(node, path)
 
     # -- rollback & recovery ----------------------------------------------------------------
     def _router_call(self, fn: Callable[[], Any]) -> Any:
@@ -300,9 +311,11 @@ class Machine:
             elif state != "running":
                 source_ok = False
                 errors.append(f"source cell {rel.src_cell} is {state}")
-            # streams cut during the freeze continue on the source; queued requests go there
-            step("router back to source",
-                 lambda: self._router_call(lambda: self.backend.switch(rel.worker, rel.src_endpoint)))
+            if source_ok:
+                # streams cut during the freeze continue on the source; queued requests go there
+                step("router back to source",
+                     lambda: self._router_call(lambda: self.backend.switch(rel.worker, rel.src_endpoint)))
+            # else: the worker stays held; the controller replaces it and switches the router
         elif failed_index >= I_HOLD:
             step("release hold", lambda: self._router_call(lambda: self.backend.release(rel.worker)))
         serving_s = time.monotonic() - t0
@@ -316,7 +329,10 @@ class Machine:
         if w is not None:
             w.node, w.cell_id, w.endpoint = rel.src, rel.src_cell or w.cell_id, rel.src_endpoint or w.endpoint
             w.reservation = rel.src_reservation or w.reservation
-            w.state = "running" if source_ok else "failed"
+            # a worker with no copy left is "lost": the controller's reconcile loop replaces it
+            w.state = "running" if source_ok else "lost"
+            if not source_ok:
+                w.error = f"source copy {rel.src_cell} on {rel.src} is gone after a failed relocation"
             self.store.save_worker(w)
         rel.rollback = {"from_phase": PHASES[failed_index] if failed_index >= 0 else None,
                         "source_serving_s": round(serving_s, 4),

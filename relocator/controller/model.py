@@ -27,12 +27,15 @@ class WorkerRecord:
     engine: str = "vllm"
     cell_id: str = ""
     endpoint: str = ""
-    state: str = "starting"  # starting | running | relocating | failed | stopped
+    state: str = "starting"  # starting | running | relocating | lost | failed | stopped
     reservation: str = ""  # name of the placement group holding its GPUs
     model_dir: str = ""
     launch_s: float = 0.0
     created_at: float = field(default_factory=time.time)
     error: str = ""
+    replacements: int = 0  # fresh launches after its copy was lost
+    last_image: str = ""  # its newest image (kept after a move on shared storage), for a warm restart
+    last_image_node: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
