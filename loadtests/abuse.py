@@ -57,6 +57,7 @@ def listener_pid(port: int) -> int | None:
     if not inodes:
         return None
     want = {f"socket:[{i}]" for i in inodes}
+    holders: list[int] = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -64,12 +65,25 @@ def listener_pid(port: int) -> int | None:
             for fd in (d / "fd").iterdir():
                 try:
                     if os.readlink(fd) in want:
-                        return int(d.name)
+                        holders.append(int(d.name))
+                        break
                 except OSError:
                     continue
         except OSError:
             continue
-    return None
+    if len(holders) > 1:
+        # an inherited socket (the cluster daemon owns the router's listener and passes it to
+        # the router child): the server is the holder whose parent also holds it
+        parents = {_ppid(h) for h in holders}
+        holders = [h for h in holders if h not in parents] or holders
+    return holders[0] if holders else None
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def proc_stats(pid: int) -> dict[str, Any] | None:

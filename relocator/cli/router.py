@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from typing import List, Optional
 
 import typer
@@ -25,27 +24,22 @@ def serve(
     backend: List[str] = typer.Option([], "--backend", "-b",
                                       help="MODEL=URL or WORKER@MODEL=URL, repeatable"),
     policy: Optional[str] = typer.Option(None, help="round_robin | least_in_flight | affinity"),
+    fd: Optional[int] = typer.Option(None, "--fd", help="serve the API on this inherited "
+                                     "listening socket (overrides host/port)"),
+    state_file: Optional[str] = typer.Option(None, help="persist the routing table here and "
+                                             "load it at start"),
     log_level: str = typer.Option("warning", help="Python log level"),
 ) -> None:
     """Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics and the
-    control API."""
+    control API. (`python -m relocator.router` is the same without the CLI's start-up cost.)"""
     from relocator.router.config import RouterSettings, parse_backend
-    from relocator.router.server import serve_forever
+    from relocator.router.server import run
 
-    logging.basicConfig(level=log_level.upper())
-    settings = RouterSettings.load(config, host=host, port=port, policy=policy)
+    settings = RouterSettings.load(config, host=host, port=port, policy=policy, listen_fd=fd,
+                                   state_file=state_file)
     if backend:
         settings.backends = settings.backends + [parse_backend(b) for b in backend]
-    try:
-        import uvloop  # noqa: F401
-
-        uvloop.install()
-    except Exception:
-        pass
-    try:
-        asyncio.run(serve_forever(settings))
-    except KeyboardInterrupt:
-        pass
+    run(settings, log_level)
 
 
 @bench_app.command("router")

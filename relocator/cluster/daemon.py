@@ -7,7 +7,6 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 from relocator.cluster.config import REPO, LocalConfig
 from relocator.cluster.local import RAY_ENV, info_path
+from relocator.cluster.routerproc import RouterSupervisor
 
 log = logging.getLogger("relocator.cluster")
 
@@ -56,7 +56,7 @@ def main(base: Path) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    cluster = router = None
+    cluster = routers = None
     info: dict = {"daemon_pid": os.getpid(), "base_dir": str(base)}
     try:
         import ray
@@ -76,18 +76,21 @@ def main(base: Path) -> int:
             cluster.add_node(**node_args(i))
         cluster.wait_for_nodes()
         ray_s = time.monotonic() - t0
-        # the router
-        port = cfg.router.port or free_port()
+        # the router: we own its public listening socket and pass it down, so while a router
+        # restarts new connections wait in the backlog instead of being refused; its table
+        # survives in a state file (relocator/cluster/routerproc.py, docs/router.md "Restarts")
         control_port = cfg.router.control_port or free_port()
-        renv = {**os.environ, "PYTHONPATH": str(REPO), "RELOCATOR_ROUTER_CONTROL_PORT": str(control_port),
-                "RELOCATOR_ROUTER_CONTROL_HOST": "127.0.0.1"}
+        state_file = base / "router-state.json"
+        state_file.unlink(missing_ok=True)  # a new cluster starts with an empty table
+        renv = {**os.environ, "PYTHONPATH": str(REPO), "RELOCATOR_ROUTER_CONTROL_HOST": "127.0.0.1"}
         if cfg.router.control_token:
             renv["RELOCATOR_ROUTER_CONTROL_TOKEN"] = cfg.router.control_token
-        rlog = open(base / "router.log", "ab")
-        router = subprocess.Popen([sys.executable, "-m", "relocator", "router", "serve", "--host", "127.0.0.1",
-                                   "--port", str(port)], cwd=REPO, env=renv, stdin=subprocess.DEVNULL,
-                                  stdout=rlog, stderr=subprocess.STDOUT)
-        router_url = f"http://127.0.0.1:{port}"
+        routers = RouterSupervisor(port=cfg.router.port, control_port=control_port, state_file=state_file,
+                                   log_file=open(base / "router.log", "ab"), env=renv, cwd=REPO,
+                                   extra_args=["--log-level", "info"])
+        routers.install_signal()  # before the first router can be SIGTERMed
+        routers.start()
+        router_url = f"http://127.0.0.1:{routers.port}"
         control_url = f"http://127.0.0.1:{control_port}"
         _wait_http(router_url + "/health")
         # the controller and its agents
@@ -98,23 +101,23 @@ def main(base: Path) -> int:
         # stop kills the workers and frees their reservations before the raylets go.
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         signal.signal(signal.SIGINT, lambda *_: stop.set())
+        routers.install_signal()
         ctl = start_controller({
             "base_dir": str(base), "router_url": router_url, "router_control_url": control_url,
             "router_token": cfg.router.control_token, **cfg.controller.model_dump()})
         ray.get(ctl.ping.remote(), timeout=120)
-        pids = [p.process.pid for n in cluster.list_all_nodes() for procs in n.all_processes.values()
-                for p in procs if p.process is not None] + [router.pid]
+        ray_pids = [p.process.pid for n in cluster.list_all_nodes() for procs in n.all_processes.values()
+                    for p in procs if p.process is not None]
         info.update({"address": cluster.address, "router_url": router_url, "router_control_url": control_url,
                      "nodes": [node_name(i) for i in range(c.nodes)], "gpus_per_node": c.gpus_per_node,
-                     "pids": pids, "started_at": time.time(), "startup_s": round(time.monotonic() - t0, 3),
-                     "ray_startup_s": round(ray_s, 3)})
+                     "pids": ray_pids + routers.pids(), "router_pid": routers.pids()[-1], "started_at": time.time(),
+                     "startup_s": round(time.monotonic() - t0, 3), "ray_startup_s": round(ray_s, 3)})
         _write(base, info)
         log.info("cluster up: %s", info)
-        while not stop.wait(1.0):
-            if router.poll() is not None:
-                log.error("router exited with %s; restarting it", router.returncode)
-                router = subprocess.Popen(router.args, cwd=REPO, env=renv, stdin=subprocess.DEVNULL,
-                                          stdout=rlog, stderr=subprocess.STDOUT)
+        while not stop.wait(0.05):
+            if routers.poll():  # a replacement: the current router last (tools take pids[-1])
+                info.update({"pids": ray_pids + routers.pids(), "router_pid": routers.pids()[-1]})
+                _write(base, info)
         log.info("stopping")
         try:
             log.info("controller shutdown: %s", ray.get(ctl.shutdown.remote(), timeout=120))
@@ -127,12 +130,8 @@ def main(base: Path) -> int:
         _write(base, info)
         return 1
     finally:
-        if router is not None and router.poll() is None:
-            router.terminate()
-            try:
-                router.wait(10)
-            except subprocess.TimeoutExpired:
-                router.kill()
+        if routers is not None:
+            routers.stop()
         try:
             import ray
 

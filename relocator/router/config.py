@@ -51,6 +51,21 @@ class RouterSettings(BaseSettings):
     connect_timeout_s: float = Field(5.0, gt=0)
     #: per upstream connection pool limit (0 = unlimited)
     pool_limit: int = Field(0, ge=0)
+    #: routing table persisted here (atomically, after every control-API change) and loaded
+    #: at start, so a restarted router serves at once; unset = not persisted
+    state_file: Path | None = None
+    #: serve the OpenAI API on this inherited, already listening socket instead of binding
+    #: host:port (a supervisor owns the socket, so connections wait in its backlog while the
+    #: router restarts); RELOCATOR_ROUTER_LISTEN_FD or `--fd`
+    listen_fd: int | None = Field(None, ge=0)
+    #: run under a supervisor (the cluster daemon): on SIGTERM stop accepting, signal the
+    #: parent (SIGUSR1) to start a replacement, finish the requests in flight, then exit
+    supervised: bool = False
+    #: longest a SIGTERMed supervised router keeps serving what it has
+    drain_timeout_s: float = Field(120.0, gt=0)
+    #: while draining, a keep-alive connection idle this long is closed (busy ones are
+    #: answered with `Connection: close`)
+    drain_idle_close_s: float = Field(2.0, ge=0)
 
     @field_validator("policy")
     @classmethod

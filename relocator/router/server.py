@@ -11,6 +11,10 @@ import errno
 import hmac
 import json
 import logging
+import os
+import signal
+import socket
+import time
 from typing import Any, AsyncIterator
 
 import aiohttp
@@ -24,6 +28,7 @@ from .errors import RouterError
 from .metrics import PromHooks
 from .policies import make_policy
 from .table import RoutingTable
+from . import state as state_io
 
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
@@ -124,13 +129,25 @@ class RouterServer:
                                   prefer_sibling_when_held=s.prefer_sibling_when_held)
         for i, b in enumerate(s.backends):
             self.table.add(b.worker_id or f"{b.model}-{i}", b.model, b.url)
+        if s.state_file is not None:  # newer than the config: it wins
+            reps = state_io.load(s.state_file)
+            if reps:
+                log.info("router state: %d replicas from %s",
+                         state_io.restore(self.table, reps), s.state_file)
         self.hooks = PromHooks()
         self.table.on_held_change = self.hooks.held_changed
         self.upstream: AiohttpUpstream | None = None
         self.core: RouterCore | None = None
         self._runners: list[web.AppRunner] = []
+        self._sites: list[web.BaseSite] = []
+        self._listen_sock: socket.socket | None = None
         self.port = s.port
         self.control_port = s.control_port
+        self.draining = False
+        self._drain_task: asyncio.Task | None = None
+        self._drain_deadline = 0.0
+        self._drained = asyncio.Event()
+        self._state_seen: tuple | None = None
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> "RouterServer":
@@ -140,14 +157,20 @@ class RouterServer:
                                max_body_bytes=s.max_body_bytes, retries=s.retries,
                                max_continuations=s.max_continuations,
                                continuation=s.continuation, hooks=self.hooks)
-        api = web.Application(middlewares=[_openai_errors], client_max_size=s.max_body_bytes + 1)
+        api = web.Application(middlewares=[self._drain_mw, _openai_errors],
+                              client_max_size=s.max_body_bytes + 1)
         api.router.add_post("/v1/completions", self._completions)
         api.router.add_post("/v1/chat/completions", self._chat)
         api.router.add_get("/v1/models", self._models)
         api.router.add_get("/health", self._health)
         api.router.add_get("/metrics", self._metrics)
-        self.port = await self._serve(api, s.host, s.port)
-        ctl = web.Application(middlewares=[_openai_errors, self._auth], client_max_size=1 << 20)
+        if s.listen_fd is not None:
+            self._listen_sock = socket.socket(fileno=s.listen_fd)
+            self.port = await self._serve(api, sock=self._listen_sock)
+        else:
+            self.port = await self._serve(api, s.host, s.port)
+        ctl = web.Application(middlewares=[self._drain_mw, _openai_errors, self._auth,
+                                           self._forward_mw], client_max_size=1 << 20)
         ctl.router.add_get("/control/replicas", self._c_list)
         ctl.router.add_post("/control/replicas", self._c_add)
         ctl.router.add_delete("/control/replicas/{worker}", self._c_remove)
@@ -158,20 +181,154 @@ class RouterServer:
         self.control_port = await self._serve(ctl, host, s.control_port)
         return self
 
-    async def _serve(self, app: web.Application, host: str, port: int) -> int:
+    async def _serve(self, app: web.Application, host: str = "", port: int = 0,
+                     sock: socket.socket | None = None) -> int:
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
+        site: web.BaseSite
+        if sock is not None:
+            site = web.SockSite(runner, sock, backlog=1024)
+        else:
+            site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
         await site.start()
         self._runners.append(runner)
+        self._sites.append(site)
         return runner.addresses[0][1]
 
     async def stop(self) -> None:
+        if self._drain_task is not None and not self._drain_task.done():
+            self._drain_task.cancel()
         for r in self._runners:
+            for h in r.server.connections if r.server is not None else ():
+                h.force_close()  # nothing left to wait for (drained, or told to go)
             await r.cleanup()
         self._runners.clear()
+        self._sites.clear()
+        if self._listen_sock is not None:
+            self._listen_sock.close()
         if self.upstream is not None:
             await self.upstream.close()
+
+    # ---- restarts: persisted table, graceful hand-over -------------------------------
+    def persist(self) -> None:
+        """Write the table after a control-API change (no-op without `state_file`)."""
+        path = self.settings.state_file
+        if path is None:
+            return
+        try:
+            state_io.save(path, self.table)
+        except OSError as e:
+            log.warning("router state %s not written: %s", path, e)
+
+    def drain(self) -> None:
+        """SIGTERM of a supervised router: stop accepting (the shared listener stays open in
+        the supervisor; its backlog waits for the replacement), tell the parent at once
+        (SIGUSR1), keep serving what is in flight (bounded by drain_timeout_s) and follow the
+        replacement's table changes through the state file, then exit. A second call: go now."""
+        if self._drain_task is not None:
+            self._drain_deadline = 0.0
+            return
+        self.draining = True
+        self._drain_deadline = time.monotonic() + self.settings.drain_timeout_s
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def wait_drained(self) -> None:
+        await self._drained.wait()
+
+    async def _drain(self) -> None:
+        s = self.settings
+        try:
+            for site in self._sites:
+                await site.stop()  # listeners only; open connections stay
+            if self._listen_sock is not None and self._listen_sock.fileno() >= 0:
+                self._listen_sock.close()  # our copy; the supervisor keeps its own
+            if s.supervised and os.getppid() > 1:
+                try:
+                    os.kill(os.getppid(), signal.SIGUSR1)
+                except OSError as e:  # pragma: no cover
+                    log.warning("could not signal the supervisor: %s", e)
+            log.warning("draining: %d connections", sum(len(r.server.connections)
+                                                        for r in self._runners if r.server))
+            self._state_seen = self._state_key()
+            idle: dict[Any, tuple[int, float]] = {}
+            while time.monotonic() < self._drain_deadline:
+                self._follow_state()
+                now = time.monotonic()
+                conns = [h for r in self._runners if r.server is not None
+                         for h in r.server.connections]
+                if not conns:
+                    break
+                for h in conns:
+                    busy = h._request_in_progress or bool(h._messages)  # type: ignore[attr-defined]
+                    count = h._request_count  # type: ignore[attr-defined]
+                    seen = idle.get(h)
+                    if busy or seen is None or seen[0] != count:
+                        idle[h] = (count, now)
+                    elif now - seen[1] >= s.drain_idle_close_s:
+                        h.force_close()  # an idle keep-alive connection
+                idle = {h: v for h, v in idle.items() if h in conns}
+                await asyncio.sleep(0.1)
+            log.warning("drained")
+        finally:
+            self._drained.set()
+
+    def _state_key(self) -> tuple | None:
+        try:
+            st = os.stat(self.settings.state_file)  # type: ignore[arg-type]
+        except (OSError, TypeError):
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def _follow_state(self, force: bool = False) -> None:
+        """Draining: apply what the replacement wrote (switch/release/hold/add)."""
+        if self.settings.state_file is None:
+            return
+        key = self._state_key()
+        if key is None or (key == self._state_seen and not force):
+            return
+        self._state_seen = key
+        reps = state_io.load(self.settings.state_file)
+        if reps is not None:
+            done = state_io.follow(self.table, reps)
+            if done:
+                log.warning("draining: followed the new router: %s", done)
+
+    @web.middleware
+    async def _drain_mw(self, request: web.Request, handler):
+        resp = await handler(request)
+        if self.draining and not resp.prepared:
+            resp.force_close()  # the client's next request opens a connection to the new router
+        return resp
+
+    @web.middleware
+    async def _forward_mw(self, request: web.Request, handler):
+        """Draining: a control call that still reaches us (a kept-alive connection) goes to the
+        replacement (same control port, bound by it), which owns the table now."""
+        if not self.draining:
+            return await handler(request)
+        assert self.upstream is not None
+        body = await request.read()
+        host = self.settings.control_host if self.settings.control_token else "127.0.0.1"
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        url = f"http://{host}:{self.control_port}{request.rel_url}"
+        hdrs = {k: v for k, v in request.headers.items()
+                if k.lower() in ("authorization", "content-type")}
+        deadline = time.monotonic() + 10.0
+        while True:
+            try:
+                async with self.upstream.session.request(request.method, url, data=body or None,
+                                                         headers=hdrs) as r:
+                    out = web.Response(status=r.status, body=await r.read(),
+                                       content_type=r.content_type)
+                break
+            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as e:
+                if time.monotonic() > deadline:
+                    raise RouterError(503, f"router restarting: {e}", code="router_restarting",
+                                      type="server_error") from None
+                await asyncio.sleep(0.05)
+        self._follow_state(force=True)
+        return out
 
     async def __aenter__(self) -> "RouterServer":
         return await self.start()
@@ -223,6 +380,8 @@ class RouterServer:
             async for chunk in gen:
                 if resp is None:
                     resp = web.StreamResponse(status=res.status, headers=SSE_HEADERS)
+                    if self.draining:
+                        resp.force_close()
                     await resp.prepare(request)
                 await resp.write(chunk)
         except RouterError as e:  # raised before the first byte
@@ -249,7 +408,8 @@ class RouterServer:
 
     async def _health(self, request: web.Request) -> web.Response:
         reps = self.table.replicas()
-        return web.json_response({"status": "ok", "replicas": len(reps),
+        return web.json_response({"status": "draining" if self.draining else "ok",
+                                  "replicas": len(reps),
                                   "held": sum(r.state.value == "held" for r in reps)})
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -299,13 +459,18 @@ class RouterServer:
             r = self.table.add(b["worker_id"], b["model"], b["url"])
         except ValueError as e:
             raise RouterError(409, str(e), code="conflict") from None
+        self.persist()
         return web.json_response(r.info())
 
     async def _c_remove(self, request: web.Request) -> web.Response:
-        return web.json_response(self.table.remove(self._worker(request)).info())
+        info = self.table.remove(self._worker(request)).info()
+        self.persist()
+        return web.json_response(info)
 
     async def _c_hold(self, request: web.Request) -> web.Response:
-        return web.json_response(self.table.hold(self._worker(request)))
+        info = self.table.hold(self._worker(request))
+        self.persist()
+        return web.json_response(info)
 
     async def _c_switch(self, request: web.Request) -> web.Response:
         w = self._worker(request)
@@ -314,16 +479,38 @@ class RouterServer:
         if not isinstance(ep, str) or not ep.startswith(("http://", "https://")):
             raise errors.bad_request("Missing or invalid 'endpoint' (http[s]://host:port).",
                                      param="endpoint")
-        return web.json_response(self.table.switch(w, ep, release=bool(b.get("release", True))))
+        info = self.table.switch(w, ep, release=bool(b.get("release", True)))
+        self.persist()
+        return web.json_response(info)
 
     async def _c_release(self, request: web.Request) -> web.Response:
-        return web.json_response(self.table.release(self._worker(request)))
+        info = self.table.release(self._worker(request))
+        self.persist()
+        return web.json_response(info)
 
 
 async def serve_forever(settings: RouterSettings) -> None:
     srv = await RouterServer(settings).start()
     log.info("router on :%d, control on :%d", srv.port, srv.control_port)
+    if settings.supervised:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, srv.drain)
     try:
-        await asyncio.Event().wait()
+        await srv.wait_drained()
     finally:
         await srv.stop()
+
+
+def run(settings: RouterSettings, log_level: str = "warning") -> None:
+    """The process entry (`relocator router serve`, `python -m relocator.router`)."""
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+
+        uvloop.install()
+    except Exception:
+        pass
+    try:
+        asyncio.run(serve_forever(settings))
+    except KeyboardInterrupt:
+        pass
