@@ -59,8 +59,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "SWITCH); the restarted controller completes the move",
           controller_faults=(("pause", (("phase", "SWITCH"), ("s", 0.5))),)),
     Fault("restart-router", "DUMP", ("done", "rolled_back"),
-          "SIGTERM the router during DUMP (streams are held); the cluster daemon restarts it "
-          "and the controller re-registers the workers", requests_may_fail=True),
+          "SIGTERM the router during DUMP (streams are held). The cluster daemon owns the "
+          "listening socket and starts a new router at once, which loads the persisted routing "
+          "table; the old one finishes its streams, following the new one's switches. No request "
+          "may fail"),
     Fault("node-loss", "RESTORE", ("rolled_back", "done"),
           "SIGKILL the target node's raylet during RESTORE: the node is gone for good (its "
           "processes keep running on this host, as behind a network partition, until the "

@@ -263,9 +263,10 @@ class Injector:
 
     def _restart_router(self, rel: dict, still) -> None:
         from loadtests.abuse import listener_pid
+        from relocator.cluster.local import read_info
 
-        port = int(self.ctl.router_url.rsplit(":", 1)[1])
-        pid = listener_pid(port)
+        # the daemon records the router it runs (it also holds the listening socket itself)
+        pid = (read_info(self.base) or {}).get("router_pid") or listener_pid(int(self.ctl.router_url.rsplit(":", 1)[1]))
         if pid and _kill(pid, signal.SIGTERM):
             self._mark(router_pid=pid)
 

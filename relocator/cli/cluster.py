@@ -77,16 +77,17 @@ def status_cmd(cluster_dir: Optional[str] = CLUSTER_DIR, json_out: bool = JSON) 
         return
     console.print(f"router: {st['router_url']}")
     t = Table(title="nodes")
-    for c in ("node", "GPUs", "free"):
+    for c in ("node", "GPUs", "free", "state"):
         t.add_column(c)
     for n in st["nodes"]:
-        t.add_row(n["id"], str(n["gpus_total"]), str(n["gpus_free"]))
+        t.add_row(n["id"], str(n["gpus_total"]), str(n["gpus_free"]), "alive" if n.get("alive", True) else "[red]lost[/]")
     console.print(t)
     t = Table(title="workers")
-    for c in ("worker", "model", "node", "GPUs", "state", "endpoint"):
+    for c in ("worker", "model", "node", "GPUs", "state", "endpoint", "replaced"):
         t.add_column(c)
     for w in st["workers"]:
-        t.add_row(w["id"], w["model"], w["node"], str(w["gpus"]), w["state"], w["endpoint"])
+        t.add_row(w["id"], w["model"], w["node"], str(w["gpus"]), w["state"], w["endpoint"],
+                  str(w.get("replacements", 0)))
     console.print(t)
     if st["relocations"]:
         t = Table(title="relocations")

@@ -71,7 +71,11 @@ def main(base: Path) -> int:
                     "object_store_memory": c.object_store_mb << 20,
                     "include_dashboard": False, "node_ip_address": "127.0.0.1"}
 
-        cluster = Cluster(initialize_head=True, head_node_args=node_args(0), shutdown_at_exit=True)
+        head_args = {**node_args(0), "_system_config": {
+            "health_check_period_ms": c.health_check_period_ms,
+            "health_check_timeout_ms": max(c.health_check_period_ms, 1000),
+            "health_check_failure_threshold": c.health_check_failure_threshold}}
+        cluster = Cluster(initialize_head=True, head_node_args=head_args, shutdown_at_exit=True)
         for i in range(1, c.nodes):
             cluster.add_node(**node_args(i))
         cluster.wait_for_nodes()

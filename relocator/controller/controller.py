@@ -59,19 +59,23 @@ class Controller:
         self._stop = threading.Event()
         self._pending_reservations: set[str] = set()
         self._lost_nodes: dict[str, float] = {}  # node -> when this controller saw it lost
-        self.agents = {}
-        for name, info in self.inventory(refresh=True).items():
-            self.agents[name] = start_agent(name, info.ray_node_id, str(self.node_dir(name) / "state"),
-                                            str(self.node_dir(name) / "images"))
-        for w in self.store.workers():  # a launch the previous controller did not finish
-            if w.state == "starting":
-                self._abandon_launch(w)
-            elif w.state == "replacing":  # a replacement: its half-started copy goes, it is lost again
-                self._abandon_launch(w, keep_record=True)
+        nodes = self.inventory(refresh=True)
+        # a restarted controller first finishes the relocations it left open (their workers are
+        # frozen or held meanwhile); the agents of a running cluster exist already
         self.recovering = [r.id for r in self.store.open_relocations()]
         for rel in self.store.open_relocations():
             self._busy.add(rel.worker)
             self._spawn(rel, recover=True)
+        self.agents = {}
+        for name, info in nodes.items():
+            if info.alive:
+                self.agents[name] = start_agent(name, info.ray_node_id, str(self.node_dir(name) / "state"),
+                                                str(self.node_dir(name) / "images"))
+        for w in self.store.workers():  # a launch the previous controller did not finish
+            if w.state == "starting" and w.id not in self._busy:
+                self._abandon_launch(w)
+            elif w.state == "replacing" and w.id not in self._busy:  # its half-started copy goes
+                self._abandon_launch(w, keep_record=True)
         threading.Thread(target=self._loop, name="reconcile", daemon=True).start()
 
     # -- plumbing -------------------------------------------------------------------------------
@@ -309,6 +313,8 @@ class Controller:
                     raise RuntimeError(f"no node has {gpus} free GPU(s)")
             elif node not in nodes:
                 raise ValueError(f"unknown node {node!r}; nodes: {', '.join(nodes)}")
+            elif not nodes[node].alive:
+                raise ValueError(f"node {node!r} is lost")
             w = WorkerRecord(id=wid, model=served, node=node, gpus=gpus, cell_id=f"{wid}-c0",
                              reservation=f"relocator-{wid}-launch", model_dir=model_dir, state="starting")
             self._pending_reservations.add(w.reservation)
@@ -399,6 +405,8 @@ class Controller:
             raise KeyError(f"unknown worker {worker_id!r}")
         if to is not None and to not in self.inventory():
             raise ValueError(f"unknown node {to!r}")
+        if to is not None and not self.inventory()[to].alive:
+            raise ValueError(f"node {to!r} is lost")
         with self._lock:
             if worker_id in self._busy:
                 raise RuntimeError(f"worker {worker_id} is already being relocated or started")
@@ -476,15 +484,17 @@ class Controller:
         }
 
     def cells(self) -> dict[str, list[dict]]:
-        return {name: self.backend.call(name, "cells", timeout=60) for name in self.inventory()}
+        return {name: self.backend.call(name, "cells", timeout=60) for name, info in self.inventory().items()
+                if info.alive}
 
     def shutdown(self) -> dict:
         """Stop every worker and free every reservation (the cluster itself is stopped by `down`)."""
         self._stop.set()
         out = {"killed": {}, "freed": []}
-        for name in self.inventory():
+        for name, info in self.inventory().items():
             try:
-                out["killed"][name] = self.backend.call(name, "kill_all", timeout=120)
+                out["killed"][name] = (self.backend.call(name, "kill_all", timeout=120) if info.alive
+                                       else self.backend.fence(name)["killed"])
             except Exception as exc:  # noqa: BLE001
                 out["killed"][name] = f"error: {exc}"
         for w in self.store.workers():

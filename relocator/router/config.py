@@ -49,6 +49,10 @@ class RouterSettings(BaseSettings):
     max_continuations: int = Field(8, ge=0)
     continuation: bool = True
     connect_timeout_s: float = Field(5.0, gt=0)
+    #: an upstream connection whose peer stops acknowledging for this long is dropped
+    #: (TCP keepalive + TCP_USER_TIMEOUT): a worker whose node vanished sends no FIN, and its
+    #: streams would otherwise hang; they break, and are continued where the worker went
+    upstream_dead_peer_s: float = Field(15.0, gt=0)
     #: per upstream connection pool limit (0 = unlimited)
     pool_limit: int = Field(0, ge=0)
     #: routing table persisted here (atomically, after every control-API change) and loaded

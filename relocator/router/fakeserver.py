@@ -231,8 +231,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=9000)
     ap.add_argument("--model", default="fake")
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--token-delay", type=float, default=0.0, help="seconds between streamed tokens")
     a = ap.parse_args()
-    eng = FakeEngine(model=a.model, knobs=Knobs(tokens=a.tokens))
+    eng = FakeEngine(model=a.model, knobs=Knobs(tokens=a.tokens, token_delay_s=a.token_delay))
     web.run_app(eng.app(), host=a.host, port=a.port, access_log=None, print=None,
                 handler_cancellation=True, backlog=2048)
 

@@ -71,11 +71,32 @@ class _Resp:
             pass
 
 
+def dead_peer_socket_factory(dead_peer_s: float):
+    """Upstream sockets that notice a vanished peer: keepalive probes on idle connections and
+    TCP_USER_TIMEOUT on unacknowledged data. A frozen (SIGSTOPped) worker is not affected: its
+    kernel keeps acknowledging."""
+    idle = max(1, int(dead_peer_s / 3))
+    interval = max(1, int(dead_peer_s / 6))
+
+    def factory(addr_info) -> socket.socket:
+        family, type_, proto, _, _ = addr_info
+        sock = socket.socket(family=family, type=type_, proto=proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for opt, val in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", 3),
+                         ("TCP_USER_TIMEOUT", int(dead_peer_s * 1000))):
+            if hasattr(socket, opt):  # Linux
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
+        return sock
+
+    return factory
+
+
 class AiohttpUpstream:
-    def __init__(self, connect_timeout_s: float = 5.0, pool_limit: int = 0) -> None:
+    def __init__(self, connect_timeout_s: float = 5.0, pool_limit: int = 0, dead_peer_s: float = 15.0) -> None:
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=pool_limit, limit_per_host=0,
-                                           enable_cleanup_closed=False),
+                                           enable_cleanup_closed=False,
+                                           socket_factory=dead_peer_socket_factory(dead_peer_s)),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s),
             auto_decompress=False, skip_auto_headers=("User-Agent",))
         self._hdrs = {"Content-Type": "application/json"}
@@ -152,7 +173,7 @@ class RouterServer:
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> "RouterServer":
         s = self.settings
-        self.upstream = AiohttpUpstream(s.connect_timeout_s, s.pool_limit)
+        self.upstream = AiohttpUpstream(s.connect_timeout_s, s.pool_limit, s.upstream_dead_peer_s)
         self.core = RouterCore(self.table, self.upstream, engine=make_engine(s.engine),
                                max_body_bytes=s.max_body_bytes, retries=s.retries,
                                max_continuations=s.max_continuations,
