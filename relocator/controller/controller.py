@@ -59,6 +59,7 @@ class Controller:
         self._stop = threading.Event()
         self._pending_reservations: set[str] = set()
         self._lost_nodes: dict[str, float] = {}  # node -> when this controller saw it lost
+        self._fenced_nodes: set[str] = set()
         nodes = self.inventory(refresh=True)
         # a restarted controller first finishes the relocations it left open (their workers are
         # frozen or held meanwhile); the agents of a running cluster exist already
@@ -97,6 +98,8 @@ class Controller:
                 for n in self._nodes.values():  # remembered: Ray lists a dead node without its name
                     if n.alive and known.get(n.ray_node_id) != n.id:
                         self.store.put("node", n.ray_node_id, {"id": n.id, "ray_node_id": n.ray_node_id})
+                    if not n.alive:  # the first time this controller sees it dead
+                        self._lost_nodes.setdefault(n.id, time.time())
                 self._nodes_at = time.monotonic()
             return dict(self._nodes)
 
@@ -127,9 +130,9 @@ class Controller:
         is left to its replacement, which holds the router's traffic before killing it."""
         nodes = self.inventory(refresh=True)
         for name, info in nodes.items():
-            if info.alive or name in self._lost_nodes:
+            if info.alive or name in self._fenced_nodes:
                 continue
-            self._lost_nodes[name] = time.time()
+            self._fenced_nodes.add(name)
             with self._lock:
                 cells = {c.name for c in (self.node_dir(name) / "state" / "cells").glob("*")}
                 cells -= {w.cell_id for w in self.store.workers() if w.node == name and w.id not in self._busy}
