@@ -79,10 +79,16 @@ def test_outcome_fault_expectations() -> None:
     rb = check_outcome(f, _rel("rolled_back", rollback={"errors": ["resume source: boom"]}), injected=True,
                        serving=True, serve_again_s=0.1, failed_requests=0, leaked={})
     assert not rb.ok and "rollback errors" in rb.problems[0]
-    # a router restart may cut client connections: attributed, not a failure of the outcome
+    # a router restart is a hand-over now: a failed request in its window is a failure
     r = check_outcome(FAULTS["restart-router"], _rel("done"), injected=True, serving=True, serve_again_s=0.2,
                       failed_requests=3, leaked={})
-    assert r.ok
+    assert not r.ok and "3 request(s) failed" in r.problems
+    # a fault declared to cut client connections gets its failed requests attributed, not failed
+    from dataclasses import replace
+
+    cuts = replace(FAULTS["restart-router"], requests_may_fail=True)
+    assert check_outcome(cuts, _rel("done"), injected=True, serving=True, serve_again_s=0.2,
+                         failed_requests=3, leaked={}).ok
     assert check_outcome(f, None, injected=True, serving=True, serve_again_s=0.1, failed_requests=0,
                          leaked={}).problems == ["relocation record missing"]
 

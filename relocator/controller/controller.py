@@ -26,6 +26,7 @@ from relocator.controller.store import Store
 
 CONTROLLER_NAME = "relocator-controller"
 ORPHAN_AFTER_S = 60.0  # a cell nobody owns is killed once it is this old
+NODE_WATCH_S = 0.5  # how often Ray's node table is read for nodes declared dead
 log = logging.getLogger("relocator.controller")
 
 
@@ -57,6 +58,7 @@ class Controller:
         self.loop_stats: dict[str, Any] = {}
         self.started_at = time.time()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set: run the reconcile loop now
         self._pending_reservations: set[str] = set()
         self._lost_nodes: dict[str, float] = {}  # node -> when this controller saw it lost
         self._fenced_nodes: set[str] = set()
@@ -78,6 +80,7 @@ class Controller:
             elif w.state == "replacing" and w.id not in self._busy:  # its half-started copy goes
                 self._abandon_launch(w, keep_record=True)
         threading.Thread(target=self._loop, name="reconcile", daemon=True).start()
+        threading.Thread(target=self._watch_nodes, name="node-watch", daemon=True).start()
 
     # -- plumbing -------------------------------------------------------------------------------
     def node_dir(self, node: str) -> Path:
@@ -98,8 +101,9 @@ class Controller:
                 for n in self._nodes.values():  # remembered: Ray lists a dead node without its name
                     if n.alive and known.get(n.ray_node_id) != n.id:
                         self.store.put("node", n.ray_node_id, {"id": n.id, "ray_node_id": n.ray_node_id})
-                    if not n.alive:  # the first time this controller sees it dead
-                        self._lost_nodes.setdefault(n.id, time.time())
+                    if not n.alive and n.id not in self._lost_nodes:  # first seen dead
+                        self._lost_nodes[n.id] = time.time()
+                        self._wake.set()
                 self._nodes_at = time.monotonic()
             return dict(self._nodes)
 
@@ -108,8 +112,20 @@ class Controller:
 
     # -- reconcile loop ---------------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.reconcile_once()
+        while not self._stop.is_set():
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if not self._stop.is_set():
+                self.reconcile_once()
+
+    def _watch_nodes(self) -> None:
+        """Ray's node table every NODE_WATCH_S (one cheap GCS call): a node newly declared dead
+        wakes the reconcile loop at once, so its workers are replaced without waiting a round."""
+        while not self._stop.wait(NODE_WATCH_S):
+            try:
+                self.inventory(refresh=True)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("node watch: %s", exc)
 
     def reconcile_once(self) -> dict:
         stats = {}
@@ -493,6 +509,7 @@ class Controller:
     def shutdown(self) -> dict:
         """Stop every worker and free every reservation (the cluster itself is stopped by `down`)."""
         self._stop.set()
+        self._wake.set()
         out = {"killed": {}, "freed": []}
         for name, info in self.inventory().items():
             try:
@@ -516,7 +533,10 @@ def start_controller(config: dict[str, Any]):
     """The controller actor, created (detached, restarted by Ray if it dies) or found."""
     import ray
 
+    # Pinned to the head node, like Ray Serve's controller: the cluster lives and dies with the
+    # head (GCS) anyway, and a controller on a node that is lost would linger a moment next to
+    # the copy Ray restarts elsewhere (seen: two controllers replacing one lost worker twice).
     return ray.remote(Controller).options(
         name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-        max_restarts=-1, max_concurrency=64, num_cpus=0,
+        max_restarts=-1, max_concurrency=64, num_cpus=0, resources={"node:__internal_head__": 0.001},
     ).remote(config)
