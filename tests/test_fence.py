@@ -29,7 +29,7 @@ def sleeper():
 
 
 def _alive(p: subprocess.Popen) -> bool:
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 1
     while time.monotonic() < deadline:
         if p.poll() is not None:
             return False
