@@ -114,3 +114,13 @@ def test_outcome_worker_on_dead_node() -> None:
     o = check_outcome(FAULTS["node-loss"], _rel("done"), injected=True, serving=True, serve_again_s=0.5,
                       failed_requests=0, leaked={}, worker_node_alive=False)
     assert not o.ok and "dead" in o.problems[0]
+
+
+def test_freeze_end_is_the_switch_or_the_end_of_the_move() -> None:
+    from relocator.chaos.runner import _freeze_end
+
+    done = {"phases": [{"name": "DUMP", "ended": 5.0}, {"name": "SWITCH", "ended": 7.0},
+                       {"name": "RELEASE", "ended": 8.0}], "finished_at": 8.0}
+    rolled = {"phases": [{"name": "DUMP", "ended": 5.0, "ok": False}], "finished_at": 6.5}
+    assert _freeze_end(done) == 7.0 and _freeze_end(rolled) == 6.5
+    assert FAULTS["restart-router"].spares_worker and not FAULTS["kill-controller"].spares_worker

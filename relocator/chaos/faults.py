@@ -25,6 +25,9 @@ class Fault:
     controller_faults: tuple[tuple[str, Any], ...] = ()  # passed to relocate(faults=...)
     destructive: bool = False  # leaves the cluster smaller (node taken away)
     requests_may_fail: bool = False  # the fault itself cuts client connections
+    # the fault leaves the worker alone (a router restart): "serving again" counts from the end
+    # of the move's own freeze, which is the relocation's blackout, not the fault's
+    spares_worker: bool = False
 
     def relocate_faults(self) -> dict[str, Any]:
         return {k: (dict(v) if isinstance(v, tuple) else v) for k, v in self.controller_faults}
@@ -62,7 +65,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "SIGTERM the router during DUMP (streams are held). The cluster daemon owns the "
           "listening socket and starts a new router at once, which loads the persisted routing "
           "table; the old one finishes its streams, following the new one's switches. No request "
-          "may fail"),
+          "may fail; serving again is counted from the end of the move's own freeze",
+          spares_worker=True),
     Fault("node-loss", "RESTORE", ("rolled_back", "done"),
           "SIGKILL the target node's raylet during RESTORE: the node is gone for good (its "
           "processes keep running on this host, as behind a network partition, until the "

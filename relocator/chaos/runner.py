@@ -351,6 +351,12 @@ def _detected_at(rel: dict, inj: Injector | None, lost_at: float | None = None) 
     return inj.at if inj and inj.injected else None
 
 
+def _freeze_end(rel: dict) -> float | None:
+    """When the move stopped freezing its worker: the end of SWITCH, or of the relocation."""
+    ends = [p["ended"] for p in rel.get("phases", []) if p.get("name") == "SWITCH" and p.get("ended")]
+    return float(ends[-1]) if ends else rel.get("finished_at")
+
+
 def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConfig, say) -> dict[str, Any]:
     fault = FAULTS[step.fault] if step.fault else None
     t_start = time.time()
@@ -417,6 +423,10 @@ def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConf
                 time.sleep(0.2)
     if probe:
         det = _detected_at(rel, inj, lost_at)
+        if det is not None and fault.spares_worker:
+            # the worker is frozen by the move itself until SWITCH (or the rollback): that
+            # blackout is the relocation's, not the fault's; count from its end
+            det = max(det, _freeze_end(rel) or det)
         if det is not None and ep:
             at = probe.serving_at(ep, det)
             # never negative: a source that kept serving (its dump was cut short) counts as 0
