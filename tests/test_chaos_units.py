@@ -124,3 +124,13 @@ def test_freeze_end_is_the_switch_or_the_end_of_the_move() -> None:
     rolled = {"phases": [{"name": "DUMP", "ended": 5.0, "ok": False}], "finished_at": 6.5}
     assert _freeze_end(done) == 7.0 and _freeze_end(rolled) == 6.5
     assert FAULTS["restart-router"].spares_worker and not FAULTS["kill-controller"].spares_worker
+
+
+def test_serving_again_ignores_answers_before_a_later_outage() -> None:
+    from relocator.chaos.runner import serving_again_at
+
+    # answered at once, then frozen (late answer, a timeout), then serving again at 12.1
+    probes = [(10.0, 10.1), (10.5, 13.0), (11.0, None), (12.0, 12.1), (12.5, 12.6)]
+    assert serving_again_at(probes) == 12.1
+    assert serving_again_at([(1.0, 1.2), (1.5, 1.6)]) == 1.2  # never interrupted
+    assert serving_again_at([(1.0, None), (1.5, 4.0)]) is None  # never good again

@@ -165,8 +165,9 @@ class NodeAgent:
         with self._lock(cell_id):
             cell = load_cell(cell_id)
             self._wait_criu(cell)
-            if cell.is_stopped():
-                resume_source(cell)
+            # always, even if its tasks run: a `criu dump` killed midway (with an agent that
+            # died) releases the tasks but leaves CRIU's packet filter in the cell's netns
+            resume_source(cell)
 
     def restore(self, image_dir: str, cell_id: str, ready_timeout: float = 120.0,
                 verify: str = "auto") -> dict[str, Any]:

@@ -105,9 +105,11 @@ def _kill(pid: int, sig: int = signal.SIGKILL) -> bool:
 class _Probe:
     """Probes endpoints directly (max_tokens=1) on a thread and records when each answered."""
 
+    SLOW_S = 1.0  # a probe answered later than this was sent to a worker that was not serving
+
     def __init__(self) -> None:
         self.endpoints: list[str] = []
-        self.ok: dict[str, list[tuple[float, float]]] = {}  # endpoint -> [(sent, answered)]
+        self.ok: dict[str, list[tuple[float, float | None]]] = {}  # endpoint -> [(sent, answered)]
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
@@ -118,8 +120,8 @@ class _Probe:
     def _one(self, ep: str) -> None:
         def probe() -> None:
             t0 = time.time()
-            if _post_ok(ep, timeout=5.0):
-                self.ok.setdefault(ep, []).append((t0, time.time()))
+            ok = _post_ok(ep, timeout=5.0)
+            self.ok.setdefault(ep, []).append((t0, time.time() if ok else None))
 
         while not self._stop.is_set():  # one new probe every 50 ms, not waiting for the last
             threading.Thread(target=probe, daemon=True).start()
@@ -142,13 +144,25 @@ class _Probe:
         self._stop.set()
 
     def serving_at(self, ep: str, since: float, wait_s: float = 5.0) -> float | None:
-        """When `ep` answered a probe sent at or after `since` (serving again)."""
+        """When `ep` was serving again for good after `since`: the answer to the first prompt
+        probe (within SLOW_S) sent after the last probe that failed or was slow."""
+        return serving_again_at(self.answers(ep, since, wait_s), self.SLOW_S)
+
+    def answers(self, ep: str, since: float, wait_s: float = 5.0) -> list[tuple[float, float | None]]:
         deadline = time.monotonic() + wait_s
         while True:
-            xs = [b for a, b in list(self.ok.get(ep, [])) if a >= since - 0.05]
-            if xs or time.monotonic() > deadline:
-                return min(xs) if xs else None
+            xs = sorted(x for x in list(self.ok.get(ep, [])) if x[0] >= since - 0.05)
+            if any(b is not None and b - a <= self.SLOW_S for a, b in xs) or time.monotonic() > deadline:
+                return xs
             time.sleep(0.05)
+
+
+def serving_again_at(probes: list[tuple[float, float | None]], slow_s: float = 1.0) -> float | None:
+    """`probes`: (sent, answered or None), sorted by sent. The answer time of the first good
+    probe (answered within `slow_s`) sent after the last bad one; None if none is good."""
+    bad = [a for a, b in probes if b is None or b - a > slow_s]
+    after = [b for a, b in probes if b is not None and b - a <= slow_s and (not bad or a > bad[-1])]
+    return min(after) if after else None
 
 
 # ---- the injector ---------------------------------------------------------------------------------
@@ -386,6 +400,10 @@ def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConf
                 inj.detail["error"] = f"{type(exc).__name__}: {exc}"
             if not inj.injected:
                 inj.fault_missed = True
+            elif probe and _detected_at(rel, inj) is not None:
+                # at once: the next status poll may wait on a controller that is restarting
+                probe.add(worker["endpoint"])
+                probe.add(rel.get("dst_endpoint"))
         time.sleep(0.02)
         rel = still()
     timed_out = rel.get("result") == "running"

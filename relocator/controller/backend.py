@@ -29,12 +29,18 @@ class NodeLost(RuntimeError):
 class RayBackend:
     def __init__(self, ctl: "Controller") -> None:
         self.ctl = ctl
+        self._agents: dict[str, object] = {}  # handles survive an agent's restarts
 
     # -- helpers ------------------------------------------------------------------------------
     def agent(self, node: str):
+        """The agent's actor handle, looked up once (a lookup is a GCS round trip: a restarted
+        controller's first calls on the recovery path paid ~0.25 s each)."""
         import ray
 
-        return ray.get_actor(agent_name(node), namespace=NAMESPACE)
+        h = self._agents.get(node)
+        if h is None:
+            h = self._agents[node] = ray.get_actor(agent_name(node), namespace=NAMESPACE)
+        return h
 
     def node_alive(self, node: str, fresh: bool = False) -> bool:
         info = self.ctl.inventory(refresh=fresh).get(node)
@@ -52,7 +58,11 @@ class RayBackend:
         while True:
             ready, _ = ray.wait([ref], timeout=min(NODE_CHECK_S, max(0.0, deadline - time.monotonic())))
             if ready:
-                return ray.get(ref)
+                try:
+                    return ray.get(ref)
+                except ray.exceptions.ActorDiedError:
+                    self._agents.pop(node, None)  # gone for good: a new agent is a new actor
+                    raise
             if not self.node_alive(node, fresh=True):
                 ray.cancel(ref, force=False)
                 raise NodeLost(node)

@@ -63,6 +63,12 @@ class Controller:
         self._lost_nodes: dict[str, float] = {}  # node -> when this controller saw it lost
         self._fenced_nodes: set[str] = set()
         nodes = self.inventory(refresh=True)
+        for name, info in nodes.items():  # agents of a running cluster: handles before recovery
+            if info.alive:
+                try:
+                    self.backend.agent(name)
+                except ValueError:  # a new cluster: created below
+                    pass
         # a restarted controller first finishes the relocations it left open (their workers are
         # frozen or held meanwhile); the agents of a running cluster exist already
         self.recovering = [r.id for r in self.store.open_relocations()]
@@ -81,6 +87,7 @@ class Controller:
                 self._abandon_launch(w, keep_record=True)
         threading.Thread(target=self._loop, name="reconcile", daemon=True).start()
         threading.Thread(target=self._watch_nodes, name="node-watch", daemon=True).start()
+        self.init_s = round(time.time() - self.started_at, 3)
 
     # -- plumbing -------------------------------------------------------------------------------
     def node_dir(self, node: str) -> Path:
@@ -108,7 +115,8 @@ class Controller:
             return dict(self._nodes)
 
     def ping(self) -> dict:
-        return {"pid": os.getpid(), "started_at": self.started_at, "recovering": self.recovering}
+        return {"pid": os.getpid(), "started_at": self.started_at, "init_s": getattr(self, "init_s", None),
+                "recovering": self.recovering}
 
     # -- reconcile loop ---------------------------------------------------------------------------
     def _loop(self) -> None:

@@ -301,7 +301,9 @@ class Machine:
                 state = self.backend.cell_state(rel.src, rel.src_cell)
             except Exception as exc:  # noqa: BLE001
                 errors.append(f"source state: {exc}")
-            if state == "stopped":
+            if state in ("stopped", "running"):
+                # "running" too: a dump cut short (its agent killed) released the tasks but may
+                # have left CRIU's network lock; resuming is idempotent and drops it
                 step("resume source", lambda: self.backend.resume(rel.src, rel.src_cell))
                 try:  # a tree that did not take the SIGCONT gets one more
                     if self.backend.cell_state(rel.src, rel.src_cell) == "stopped":
