@@ -149,17 +149,20 @@ class Controller:
         return self.loop_stats
 
     def update_nodes(self) -> None:
-        """A node Ray declares dead is fenced once: what of it runs here is killed (a lost
-        node's copies must never serve again next to their replacements). A worker's own cell
-        is left to its replacement, which holds the router's traffic before killing it."""
+        """A node Ray declares dead is fenced once: what of it runs here and nobody owns is
+        killed (a lost node's copies must never serve again next to their replacements)."""
         nodes = self.inventory(refresh=True)
         for name, info in nodes.items():
             if info.alive or name in self._fenced_nodes:
                 continue
             self._fenced_nodes.add(name)
             with self._lock:
+                # only cells nobody owns: a worker's own copy is killed by its replacement, after
+                # the router holds its traffic, and a relocation's copies by its rollback
                 cells = {c.name for c in (self.node_dir(name) / "state" / "cells").glob("*")}
-                cells -= {w.cell_id for w in self.store.workers() if w.node == name and w.id not in self._busy}
+                cells -= {w.cell_id for w in self.store.workers()}
+                for r in self.store.open_relocations():
+                    cells -= {r.src_cell, r.dst_cell}
             try:
                 log.warning("node %s is lost; fenced: %s", name, self.backend.fence(name, sorted(cells)))
             except Exception as exc:  # noqa: BLE001
@@ -420,6 +423,7 @@ class Controller:
             finally:
                 with self._lock:
                     self._busy.discard(rel.worker)
+                self._wake.set()  # e.g. its worker landed on a node lost meanwhile: replace it now
 
         t = threading.Thread(target=body, name=f"relocation-{rel.id}", daemon=True)
         self._threads[rel.id] = t
