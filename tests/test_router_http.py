@@ -250,7 +250,9 @@ async def test_bad_inputs(env):
         400, "missing_required_parameter")
     async with s.get(srv.url + "/v1/nothing") as r:
         assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
-    # upstream down
+    # upstream down, unreachable_hold_s=0: today's immediate 502 (the suspect hold is
+    # tested in test_router_unreachable.py)
+    srv.core.unreachable_hold_s = 0
     rc = RouterControl(srv.control_url)
     await rc.add_replica("dead", "deadmodel", "http://127.0.0.1:9")
     assert await status(json.dumps({"model": "deadmodel", "prompt": "x"})) == (

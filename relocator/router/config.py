@@ -53,6 +53,11 @@ class RouterSettings(BaseSettings):
     #: (TCP keepalive + TCP_USER_TIMEOUT): a worker whose node vanished sends no FIN, and its
     #: streams would otherwise hang; they break, and are continued where the worker went
     upstream_dead_peer_s: float = Field(15.0, gt=0)
+    #: a worker that cannot be reached, with no other active replica of its model, is held by
+    #: the router itself for up to this long (its requests and streams wait as for a
+    #: relocation) so the control plane can replace it; ended early by a switch/release or a
+    #: healthy GET /health; 0 = off (such requests fail at once)
+    unreachable_hold_s: float = Field(30.0, ge=0)
     #: per upstream connection pool limit (0 = unlimited)
     pool_limit: int = Field(0, ge=0)
     #: routing table persisted here (atomically, after every control-API change) and loaded

@@ -14,13 +14,13 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Mapping, Protocol
+from typing import AsyncIterator, Awaitable, Callable, Mapping, Protocol
 
 from . import errors
 from .engine import ContinuationEngine, Kind, VLLMEngine
 from .errors import RouterError
 from .stream import DONE, StreamState
-from .table import Replica, RoutingTable, StreamHandle
+from .table import Replica, ReplicaState, RoutingTable, StreamHandle
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,13 @@ class Upstream(Protocol):
     async def post(self, url: str, body: bytes) -> UpstreamResponse:
         """Send a JSON POST; return once status and headers are in. Raise UpstreamError."""
 
+    # Optional: `async def health(self, endpoint: str, timeout_s: float) -> bool` (GET
+    # {endpoint}/health answered 200). Used to end a suspect hold early (RouterCore `probe`).
+
+
+#: async (endpoint, timeout_s) -> healthy?
+Probe = Callable[[str, float], Awaitable[bool]]
+
 
 @dataclass
 class Unary:
@@ -70,10 +77,29 @@ class Hooks:
     def in_flight(self, worker: str, delta: int) -> None: ...
     def continued(self, outcome: str) -> None: ...
     def retried(self) -> None: ...
+    def suspect_hold(self, worker: str) -> None: ...
+    def suspect_end(self, worker: str, outcome: str) -> None: ...
 
 
 class _Moved(Exception):
     pass
+
+
+class _Patience:
+    """One request's budget for waiting on unreachable workers: it starts suspect waits only
+    within `unreachable_hold_s` of its first one (a worker whose /health answers but whose API
+    does not cannot keep a request looping)."""
+
+    __slots__ = ("since",)
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+    def allows(self, limit: float) -> bool:
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+        return now - self.since < limit
 
 
 # ---------------------------------------------------------------------- the core
@@ -81,7 +107,8 @@ class RouterCore:
     def __init__(self, table: RoutingTable, upstream: Upstream, *,
                  engine: ContinuationEngine | None = None, max_body_bytes: int = 4 << 20,
                  retries: int = 2, max_continuations: int = 8, continuation: bool = True,
-                 hooks: Hooks | None = None) -> None:
+                 hooks: Hooks | None = None, unreachable_hold_s: float = 0.0,
+                 probe: Probe | None = None, probe_interval_s: float = 0.5) -> None:
         self.table = table
         self.upstream = upstream
         self.engine = engine or VLLMEngine()
@@ -90,6 +117,17 @@ class RouterCore:
         self.max_continuations = max_continuations
         self.continuation = continuation
         self.hooks = hooks or Hooks()
+        #: 0 = off: a request to an unreachable sole replica fails at once (502)
+        self.unreachable_hold_s = unreachable_hold_s
+        self.probe: Probe | None = probe if probe is not None else getattr(upstream, "health",
+                                                                              None)
+        self.probe_interval_s = probe_interval_s
+        self._watchers: set[asyncio.Task] = set()
+
+    def close(self) -> None:
+        """Stop the suspect-hold watchers (the holds stay as they are)."""
+        for t in list(self._watchers):
+            t.cancel()
 
     # ---- entry point -------------------------------------------------------------------
     async def handle(self, kind: Kind, raw: bytes,
@@ -162,6 +200,7 @@ class RouterCore:
         tried: list[str] = []
         moves = 0
         last: Exception | None = None
+        patience = _Patience()
         while len(tried) <= self.retries and moves <= self.max_continuations:
             r = await self.table.acquire(model, key, exclude=tried)
             handle = StreamHandle(r.worker_id)
@@ -185,6 +224,8 @@ class RouterCore:
                 continue
             except UpstreamError as e:
                 last = e
+                if self._unreachable(r, handle, model, tried, patience):
+                    continue  # wait for it (acquire finds it held)
                 tried.append(r.worker_id)
                 self.hooks.retried()
                 continue
@@ -209,6 +250,7 @@ class RouterCore:
         path = PATHS[kind]
         tried: list[str] = []
         last: Exception | None = None
+        patience = _Patience()
         while True:
             if len(tried) > self.retries:
                 raise errors.upstream_unavailable(f"No replica of `{model}` answered: {last}")
@@ -224,6 +266,8 @@ class RouterCore:
                 continue
             except UpstreamError as e:
                 last = e
+                if self._unreachable(r, handle, model, tried, patience):
+                    continue  # wait for it (acquire finds it held)
                 tried.append(r.worker_id)
                 self.hooks.retried()
                 continue
@@ -240,7 +284,7 @@ class RouterCore:
                     self._leave(r, handle)
                 self.hooks.request_done(r.worker_id, resp.status)
                 return Unary(resp.status, data, resp.content_type or "application/json")
-            return Stream(self._pump(st, model, path, send, r, handle, resp, t0))
+            return Stream(self._pump(st, model, path, send, r, handle, resp, t0, patience))
 
     def _leave(self, r: Replica, handle: StreamHandle) -> None:
         self.table.unregister(r, handle)
@@ -248,7 +292,9 @@ class RouterCore:
         self.hooks.in_flight(r.worker_id, -1)
 
     async def _pump(self, st: StreamState, model: str, path: str, send: bytes, r: Replica,
-                    handle: StreamHandle, resp: UpstreamResponse, t0: float) -> AsyncIterator[bytes]:
+                    handle: StreamHandle, resp: UpstreamResponse, t0: float,
+                    patience: _Patience | None = None) -> AsyncIterator[bytes]:
+        patience = patience or _Patience()
         first = True
         status = 200
         try:
@@ -293,7 +339,8 @@ class RouterCore:
                     return
                 else:
                     outcome = "continued"
-                r, handle, resp = await self._reopen(st, model, path, send, r, handle, outcome)
+                r, handle, resp = await self._reopen(st, model, path, send, r, handle, outcome,
+                                                     patience)
                 if outcome == "continued":
                     self.hooks.continued("ok")
         except RouterError as e:
@@ -307,13 +354,14 @@ class RouterCore:
             self.hooks.request_done(r.worker_id, status)
 
     async def _reopen(self, st: StreamState, model: str, path: str, send: bytes, r: Replica,
-                      handle: StreamHandle, outcome: str):
+                      handle: StreamHandle, outcome: str, patience: _Patience):
         """Leave the broken replica, find where to go on, open the continuation there."""
         moved = handle.moved
         self._leave(r, handle)
         prev = r
         attempts = 0
         last: Exception | None = None
+        failed: list[str] = []
         while attempts <= self.retries:
             attempts += 1
             if moved and prev.worker_id in _ids(self.table.replicas(model)):
@@ -341,6 +389,11 @@ class RouterCore:
             except UpstreamError as e:
                 self._leave(r, handle)
                 last = e
+                if self._unreachable(r, handle, model, failed, patience):
+                    prev, moved = r, handle.moved
+                    attempts -= 1  # held: the next turn waits for its switch or release
+                    continue
+                failed.append(r.worker_id)
                 prev, moved = r, False
                 self.hooks.retried()
                 continue
@@ -363,6 +416,79 @@ class RouterCore:
             return r, handle, resp
         raise errors.continuation_failed(f"No replica of `{model}` could continue the stream: "
                                          f"{last}")
+
+    # ---- unreachable workers: hold them and wait for the control plane -------------------
+    def _unreachable(self, r: Replica, handle: StreamHandle, model: str,
+                     failed: list[str], patience: _Patience) -> bool:
+        """`r` could not be reached. True: the caller waits for `r` as for a held worker
+        (it was switched meanwhile, is already held, or is now suspect-held because no other
+        active replica of `model`, other than those in `failed`, can take over); False: the
+        caller goes on as before (sibling, retry, error)."""
+        if self.unreachable_hold_s <= 0:
+            return False
+        if handle.moved:
+            return True  # switched while we tried: try it again at its new endpoint
+        if not patience.allows(self.unreachable_hold_s):
+            return False
+        t = self.table
+        try:
+            if t.get(r.worker_id) is not r:  # pragma: no cover - removed and re-added
+                return False
+        except KeyError:
+            return False  # removed
+        if any(x is not r and x.state is ReplicaState.ACTIVE and x.worker_id not in failed
+               for x in t.replicas(model)):
+            return False
+        if r.state is ReplicaState.HELD:
+            return True
+        epoch = t.suspect_hold(r.worker_id)
+        if epoch is None:  # pragma: no cover - checked above
+            return True
+        log.warning("worker %s (%s) unreachable: holding it for up to %gs", r.worker_id,
+                    r.endpoint, self.unreachable_hold_s)
+        self.hooks.suspect_hold(r.worker_id)
+        task = asyncio.get_running_loop().create_task(self._watch_suspect(r, epoch))
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+        return True
+
+    async def _watch_suspect(self, r: Replica, epoch: int) -> None:
+        """Until the suspect hold ends: probe the endpoint every `probe_interval_s` (healthy:
+        release, the waiters retry it); after `unreachable_hold_s` fail the waiters with
+        `worker_unreachable` and make the worker active again."""
+        t = self.table
+        deadline = time.monotonic() + self.unreachable_hold_s
+        outcome = "control"  # switched, released, held or removed through the control API
+        try:
+            while t.is_suspect(r, epoch):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    n = t.end_suspect(r, epoch, errors.worker_unreachable(
+                        r.worker_id, self.unreachable_hold_s))
+                    log.warning("worker %s still unreachable after %gs: %d waiters failed",
+                                r.worker_id, self.unreachable_hold_s, n)
+                    outcome = "timeout"
+                    break
+                await asyncio.sleep(min(self.probe_interval_s, left))
+                if self.probe is None or not t.is_suspect(r, epoch):
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    continue
+                try:
+                    ok = await asyncio.wait_for(
+                        self.probe(r.endpoint, min(1.0, left)), min(1.0, left) + 0.1)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    ok = False
+                if ok and t.is_suspect(r, epoch):
+                    n = t.end_suspect(r, epoch)
+                    log.warning("worker %s healthy again: %d waiters released", r.worker_id, n)
+                    outcome = "recovered"
+                    break
+        finally:
+            self.hooks.suspect_end(r.worker_id, outcome)
 
     async def _continuation_request(self, st: StreamState, r: Replica, model: str):
         prompt = st.prompt_ids

@@ -64,6 +64,11 @@ def hold_queue_full(worker: str) -> RouterError:
                             "retry later.", type="service_unavailable", code="hold_queue_full")
 
 
+def worker_unreachable(worker: str, seconds: float) -> RouterError:
+    return RouterError(503, f"Worker {worker} unreachable for {seconds:g} s; retry later.",
+                       type="service_unavailable", code="worker_unreachable")
+
+
 def no_replica(model: str) -> RouterError:
     return RouterError(503, f"No replica of `{model}` is available.", type="service_unavailable",
                        code="no_replica")

@@ -26,6 +26,13 @@ class PromHooks(Hooks):
                             registry=r)
         self.retries = Counter("relocator_router_retries",
                                "Upstream attempts retried before the first byte", registry=r)
+        self.suspects = Counter("relocator_router_suspect_holds",
+                                "Workers held by the router because it could not reach them",
+                                ["backend"], registry=r)
+        self.suspect_ends = Counter("relocator_router_suspect_hold_ends",
+                                    "Suspect holds ended, by outcome (control: switch, release, "
+                                    "hold or remove; recovered: healthy probe; timeout)",
+                                    ["outcome"], registry=r)
         self.errors = Counter("relocator_router_errors", "Requests refused by the router",
                               ["code"], registry=r)
 
@@ -43,6 +50,12 @@ class PromHooks(Hooks):
 
     def retried(self) -> None:
         self.retries.inc()
+
+    def suspect_hold(self, worker: str) -> None:
+        self.suspects.labels(worker).inc()
+
+    def suspect_end(self, worker: str, outcome: str) -> None:
+        self.suspect_ends.labels(outcome).inc()
 
     def held_changed(self, n: int) -> None:
         self.held.set(n)

@@ -119,6 +119,16 @@ class AiohttpUpstream:
                 return _Resp(r)
         raise UpstreamError(f"{type(stale).__name__}: {stale}")
 
+    async def health(self, endpoint: str, timeout_s: float = 1.0) -> bool:
+        """GET {endpoint}/health answered 200 within `timeout_s` (the suspect-hold probe)."""
+        try:
+            async with self.session.get(endpoint + "/health",
+                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                await r.read()
+                return r.status == 200
+        except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError, OSError):
+            return False
+
     async def close(self) -> None:
         await self.session.close()
 
@@ -177,7 +187,9 @@ class RouterServer:
         self.core = RouterCore(self.table, self.upstream, engine=make_engine(s.engine),
                                max_body_bytes=s.max_body_bytes, retries=s.retries,
                                max_continuations=s.max_continuations,
-                               continuation=s.continuation, hooks=self.hooks)
+                               continuation=s.continuation, hooks=self.hooks,
+                               unreachable_hold_s=s.unreachable_hold_s,
+                               probe=self.upstream.health)
         api = web.Application(middlewares=[self._drain_mw, _openai_errors],
                               client_max_size=s.max_body_bytes + 1)
         api.router.add_post("/v1/completions", self._completions)
@@ -225,6 +237,8 @@ class RouterServer:
             await r.cleanup()
         self._runners.clear()
         self._sites.clear()
+        if self.core is not None:
+            self.core.close()
         if self._listen_sock is not None:
             self._listen_sock.close()
         if self.upstream is not None:

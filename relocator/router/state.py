@@ -25,7 +25,8 @@ VERSION = 1
 def dump(table: RoutingTable) -> dict[str, Any]:
     return {"version": VERSION, "written_at": time.time(), "pid": os.getpid(),
             "replicas": [{"worker_id": r.worker_id, "model": r.model, "endpoint": r.endpoint,
-                          "held": r.state is ReplicaState.HELD, "generation": r.generation}
+                          "held": r.state is ReplicaState.HELD and not r.suspect,
+                          "generation": r.generation}
                          for r in table.replicas()]}
 
 
@@ -114,7 +115,7 @@ def follow(table: RoutingTable, replicas: list[dict]) -> list[tuple[str, str]]:
         elif ep != r.endpoint:
             r.endpoint = ep
             done.append(("repoint", w))
-        if not held and r.state is ReplicaState.HELD:
+        if not held and r.state is ReplicaState.HELD and not r.suspect:
             table.release(w)
             done.append(("release", w))
         elif held and r.state is ReplicaState.ACTIVE:

@@ -50,11 +50,16 @@ class Replica:
     waiters: collections.deque = field(default_factory=collections.deque)
     streams: set = field(default_factory=set)
     held_since: float | None = None
+    #: held by the router itself because it could not reach the worker (not by the control
+    #: API); ends on switch/release/remove, a healthy probe, or the router's timer
+    suspect: bool = False
+    suspect_epoch: int = 0
 
     def info(self) -> dict:
         return {"worker_id": self.worker_id, "model": self.model, "endpoint": self.endpoint,
                 "state": self.state.value, "in_flight": self.in_flight,
-                "held_requests": len(self.waiters), "generation": self.generation}
+                "held_requests": len(self.waiters), "generation": self.generation,
+                "suspect": self.suspect}
 
 
 class RoutingTable:
@@ -63,7 +68,12 @@ class RoutingTable:
     hold(w): new requests that would go to w (no active sibling) wait, FIFO, bounded, with a
     timeout; switch(w, endpoint): w now lives at endpoint, every stream in flight on w is cut
     (its owner continues it on the new endpoint), the queue is released in arrival order;
-    release(w): un-hold without moving (the rollback path)."""
+    release(w): un-hold without moving (the rollback path).
+
+    suspect_hold(w): the router's own hold of a worker it cannot reach (no other active
+    replica could take its requests); the same waiting, ended by the control API (hold turns it
+    into a normal hold; switch, release and remove end it as usual) or by the router
+    (end_suspect: a healthy probe releases it, the timer fails its waiters)."""
 
     def __init__(self, policy: Policy | str = "least_in_flight", *, hold_queue_max: int = 1024,
                  hold_timeout_s: float = 60.0, prefer_sibling_when_held: bool = True) -> None:
@@ -75,6 +85,7 @@ class RoutingTable:
         self._by_model: dict[str, list[Replica]] = {}
         self.on_held_change: Callable[[int], None] | None = None
         self.dispatch_log: collections.deque = collections.deque(maxlen=256)
+        self._suspect_seq = 0
 
     # ---- inventory -------------------------------------------------------------------
     def add(self, worker_id: str, model: str, endpoint: str) -> Replica:
@@ -169,6 +180,8 @@ class RoutingTable:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 ok = True  # released at the very instant the timeout fired
                 return fut.result()
+            if r.suspect:  # held by the router itself: the worker did not answer
+                raise errors.worker_unreachable(r.worker_id, self.hold_timeout_s) from None
             raise errors.hold_timeout(r.worker_id, self.hold_timeout_s) from None
         finally:
             if not ok:
@@ -198,12 +211,14 @@ class RoutingTable:
         if r.state is not ReplicaState.HELD:
             r.state = ReplicaState.HELD
             r.held_since = time.monotonic()
+        r.suspect = False  # the control plane owns this hold now: no probe, no timer
         return r.info()
 
     def switch(self, worker_id: str, endpoint: str, *, release: bool = True) -> dict:
         r = self.get(worker_id)
         old = r.endpoint
         r.endpoint = endpoint.rstrip("/")
+        r.suspect = False
         r.generation += 1
         moved = 0
         for s in list(r.streams):
@@ -223,9 +238,47 @@ class RoutingTable:
         info["released"] = n
         return info
 
+    # ---- the router's own hold of an unreachable worker -------------------------------
+    def suspect_hold(self, worker_id: str) -> int | None:
+        """Hold an active worker that cannot be reached; returns the hold's epoch (for
+        is_suspect / end_suspect), or None if the worker is already held."""
+        r = self.get(worker_id)
+        if r.state is ReplicaState.HELD:
+            return None
+        self._suspect_seq += 1
+        r.state = ReplicaState.HELD
+        r.held_since = time.monotonic()
+        r.suspect = True
+        r.suspect_epoch = self._suspect_seq
+        return r.suspect_epoch
+
+    def is_suspect(self, r: Replica, epoch: int) -> bool:
+        """Is `r` still in the table and still in the suspect hold `epoch`?"""
+        return r.suspect and r.suspect_epoch == epoch and self._replicas.get(r.worker_id) is r
+
+    def end_suspect(self, r: Replica, epoch: int, error: Exception | None = None) -> int:
+        """End suspect hold `epoch` (no-op if it already ended): release the waiters (they
+        retry the same endpoint), or with `error`, fail them; the worker is active again."""
+        if not self.is_suspect(r, epoch):
+            return 0
+        if error is None:
+            return self._release(r)
+        r.state = ReplicaState.ACTIVE
+        r.held_since = None
+        r.suspect = False
+        n = 0
+        while r.waiters:
+            fut = r.waiters.popleft()
+            if not fut.done():
+                fut.set_exception(error)
+                n += 1
+        self._held_changed()
+        return n
+
     def _release(self, r: Replica) -> int:
         r.state = ReplicaState.ACTIVE
         r.held_since = None
+        r.suspect = False
         n = 0
         while r.waiters:  # arrival order: futures resolve (and their tasks wake) FIFO
             fut = r.waiters.popleft()
