@@ -490,9 +490,10 @@ def _leak_settle(base: Path, before: dict, expected: dict, netns_names: set[str]
         time.sleep(1.0)
 
 
-def _our_netns(workers: list[str], moves: list[dict]) -> set[str]:
-    """The namespaces this run's cells can have: rl-<worker>-c0 and rl-<worker>-<relocation>."""
-    names = {f"rl-{w}-c0" for w in workers}
+def _our_netns(cells: set[str], moves: list[dict]) -> set[str]:
+    """The namespaces this run's cells can have: rl-<cell> of every cell it saw (launches,
+    replacements) and rl-<worker>-<relocation> of every relocation target."""
+    names = {f"rl-{c}" for c in cells}
     names |= {f"rl-{m['worker']}-{m['relocation']}" for m in moves if m.get("relocation")}
     return names
 
@@ -527,6 +528,7 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
     rng = random.Random(cfg.seed)
     report: dict[str, Any] = {"config": asdict(cfg)}
     launched: list[str] = []
+    seen_cells: set[str] = set()  # every cell of our workers this run saw (for the netns check)
     load = None
     try:
         before = L.collect(base)
@@ -538,6 +540,7 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
         with ThreadPoolExecutor(cfg.workers) as pool:
             ws = list(pool.map(lambda _: ctl.launch(MODEL, gpus=cfg.gpus), range(cfg.workers)))
         launched = [w["id"] for w in ws]
+        seen_cells.update(w["cell_id"] for w in ws)
         report["launch_s"] = round(time.monotonic() - t, 3)
         say(f"launched {', '.join(w['id'] + '@' + w['node'] for w in ws)} ({report['launch_s']:.0f}s)")
         lcfg = LoadConfig(url=ctl.router_url, model=MODEL, concurrency=cfg.streams, duration_s=1e9,
@@ -604,7 +607,8 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
         tc_rest = check_tokens(rest, ref)
         rep.token_check = tc
         st = _status(ctl)
-        leaked_mid = _leak_settle(base, before, _expected(st, moves), _our_netns(launched, moves))
+        seen_cells.update(w["cell"] for w in st["workers"] if w["id"] in launched)
+        leaked_mid = _leak_settle(base, before, _expected(st, moves), _our_netns(seen_cells, moves))
         outcomes = []
         for m in moves:
             if m.get("result") == "skipped":
@@ -663,7 +667,7 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
                 except Exception as exc:  # noqa: BLE001
                     say(f"could not stop {wid}: {exc}")
         if cfg.stop_workers and "leaked" in report:
-            final = _leak_settle(base, before, {}, _our_netns(launched, report.get("moves", [])))
+            final = _leak_settle(base, before, {}, _our_netns(seen_cells, report.get("moves", [])))
             report["leaked_after_stop"] = final
             for k, v in final.items():
                 report["leaked"][k] = sorted(set(report["leaked"].get(k, [])) | set(v))

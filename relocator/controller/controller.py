@@ -345,7 +345,8 @@ class Controller:
                 raise ValueError(f"unknown node {node!r}; nodes: {', '.join(nodes)}")
             elif not nodes[node].alive:
                 raise ValueError(f"node {node!r} is lost")
-            w = WorkerRecord(id=wid, model=served, node=node, gpus=gpus, cell_id=f"{wid}-c0",
+            # cell (and netns) names are machine-wide: another cluster on this host has a w1 too
+            w = WorkerRecord(id=wid, model=served, node=node, gpus=gpus, cell_id=f"{wid}-c{uuid.uuid4().hex[:6]}",
                              reservation=f"relocator-{wid}-launch", model_dir=model_dir, state="starting")
             self._pending_reservations.add(w.reservation)
             self.store.save_worker(w)
