@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 
@@ -159,3 +160,29 @@ def test_settings_env_and_backend(monkeypatch, tmp_path):
         parse_backend("nourl")
     with pytest.raises(ValueError):
         RouterSettings(policy="nope")
+
+
+def test_continuation_drops_the_context_the_engine_echoes_at_the_splice():
+    """vLLM primes its detokenizer with the continuation's prompt ids; when they end inside an
+    incomplete UTF-8 sequence its first delta re-emits the whole context text. The router
+    knows that text (/detokenize of prompt + sent ids) and cuts it off; other text is left."""
+    def cont_event(text: str) -> bytes:
+        return (b'data: {"id":"cmpl-9","object":"text_completion","created":7,"model":"m",'
+                b'"choices":[{"index":0,"text":' + json.dumps(text).encode() + b',"logprobs":null,'
+                b'"finish_reason":null,"stop_reason":null,"token_ids":[4]}]}\n\n')
+
+    def run(context: str, texts: list[str]) -> str:
+        st = StreamState(VLLMEngine(), "completions", {"model": "m", "prompt": "x", "max_tokens": 9},
+                         track=True, strip=True)
+        st.feed(b'data: {"id":"c","choices":[{"index":0,"text":" ab","logprobs":null,'
+                b'"finish_reason":null,"stop_reason":null,"prompt_token_ids":[1,2],"token_ids":[7]}]}\n\n')
+        st.begin_continuation("", context)
+        out = b"".join(st.feed(cont_event(t)) for t in texts).decode()
+        return "".join(json.loads(ev[6:])["choices"][0]["text"] for ev in out.split("\n\n")
+                       if ev.startswith("data: {"))
+
+    ctx = "the prompt ab\ufffd"  # the sent ids end inside a multi-byte character
+    assert run(ctx, ["the prompt ab\u00e9 next", " more"]) == "\u00e9 next more"
+    assert run(ctx, ["", "the prompt ab\u00e9", "the prompt ab"]) == "\u00e9the prompt ab"  # first text only
+    assert run(ctx, ["\u00e9 next"]) == "\u00e9 next"  # no echo: untouched
+    assert run("", ["the prompt ab"]) == "the prompt ab"

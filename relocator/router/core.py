@@ -412,7 +412,7 @@ class RouterCore:
                 self._leave(r, handle)
                 raise return_err
             if outcome != "retry":
-                st.begin_continuation(getattr(st, "_withheld", ""))
+                st.begin_continuation(getattr(st, "_withheld", ""), getattr(st, "_context", ""))
             return r, handle, resp
         raise errors.continuation_failed(f"No replica of `{model}` could continue the stream: "
                                          f"{last}")
@@ -499,23 +499,31 @@ class RouterCore:
         st._withheld = ""
         if st.stops and st.legs == 0:
             st._withheld = await self._withheld_text(st, r, model, sent)
+        # the text the engine may echo at the splice (StreamState.begin_continuation)
+        st._context = (await self._detokenize(r, model, prompt + sent) or "") if sent else ""
         return self.engine.continuation_request(st.kind, st.body, prompt, sent)
+
+    async def _detokenize(self, r: Replica, model: str, ids: list[int]) -> str | None:
+        """The text of `ids` from `r`'s detokenizer; None if unsupported or it failed."""
+        req = self.engine.detokenize_request(model, ids)
+        if req is None or not ids:
+            return None
+        try:
+            resp = await self.upstream.post(r.endpoint + req[0], json.dumps(req[1]).encode())
+            try:
+                return self.engine.parse_detokenize(json.loads(await resp.read()))
+            finally:
+                resp.close()
+        except Exception as e:  # pragma: no cover - best effort
+            log.warning("detokenize failed on %s: %s", r.worker_id, e)
+            return None
 
     async def _withheld_text(self, st: StreamState, r: Replica, model: str,
                              sent: list[int]) -> str:
         """Text of sent tokens that the engine held back (it buffers text that might start a
         stop string); asked from the new replica's detokenizer."""
-        req = self.engine.detokenize_request(model, sent)
-        if req is None or not sent:
-            return ""
-        try:
-            resp = await self.upstream.post(r.endpoint + req[0], json.dumps(req[1]).encode())
-            try:
-                full = self.engine.parse_detokenize(json.loads(await resp.read()))
-            finally:
-                resp.close()
-        except Exception as e:  # pragma: no cover - best effort
-            log.warning("detokenize failed on %s: %s", r.worker_id, e)
+        full = await self._detokenize(r, model, sent)
+        if full is None:
             return ""
         sent_text = "".join(st.sent_text)
         return full[len(sent_text):] if full.startswith(sent_text) else ""

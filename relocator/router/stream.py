@@ -9,6 +9,7 @@ that straddle the splice are enforced by the router."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -57,6 +58,7 @@ class StreamState:
         self.pending_ids: list[int] = []
         self.wants_ids = engine.client_wants_token_ids(body)
         self.usage_sent = False
+        self.context_echo = ""
 
     # ------------------------------------------------------------------ normal path
     def feed(self, data: bytes) -> bytes:
@@ -132,8 +134,13 @@ class StreamState:
         return out + DONE
 
     # ------------------------------------------------------------------ continuation
-    def begin_continuation(self, withheld: str = "") -> None:
+    def begin_continuation(self, withheld: str = "", context: str = "") -> None:
+        """`context`: the text of the continuation's whole prompt (original prompt + ids sent).
+        vLLM primes its incremental detokenizer with those ids; when they end inside an
+        incomplete UTF-8 sequence its first delta re-emits that whole text before the new one:
+        it is cut off again (see _on_delta)."""
         self._ensure_tmpl()
+        self.context_echo = context.rstrip("\ufffd") if len(context.rstrip("\ufffd")) >= 4 else ""
         self.cont = True
         self.legs += 1
         self.buf = b""
@@ -215,6 +222,10 @@ class StreamState:
         return b"".join(out)
 
     def _on_delta(self, d: Delta) -> bytes:
+        if self.context_echo and d.text:  # only the first delta with text can carry the echo
+            if d.text.startswith(self.context_echo):
+                d = dataclasses.replace(d, text=d.text[len(self.context_echo):])
+            self.context_echo = ""
         if self.track_text and d.text:
             self.sent_text.append(d.text)
         if not self.span_open:
