@@ -59,21 +59,13 @@ class NodeAgent:
         """A `criu dump -t <init>` left running by a previous incarnation of this agent (killed
         mid-dump; CRIU is not killed with it) still holds the cell and will leave it stopped:
         wait for it, as the cell lock would have (found by `relocator chaos`)."""
-        pid = str(cell.init_pid).encode()
+        from relocator.procs import process_table
+
+        pid = str(cell.init_pid)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            busy = False
-            for d in os.listdir("/proc"):
-                if not d.isdigit():
-                    continue
-                try:
-                    args = Path(f"/proc/{d}/cmdline").read_bytes().split(b"\0")
-                except OSError:
-                    continue
-                if args[0].endswith(b"criu") and b"-t" in args and pid in args:
-                    busy = True
-                    break
-            if not busy:
+            if not any(argv[0].endswith("criu") and "-t" in argv and pid in argv
+                       for _, argv in process_table().values() if argv):
                 return
             time.sleep(0.1)
 

@@ -13,34 +13,19 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
 from pathlib import Path
 from typing import Iterable
 
 from relocator.cell import netns
 from relocator.cell.cell import boot_id, list_cells, using_state_dir
+from relocator.procs import criu_processes, descendants, process_table
 
 
 def _criu_for(cell_dirs: list[str]) -> list[int]:
     """PIDs of `criu` processes (and their children) working on one of `cell_dirs`."""
-    procs: dict[int, tuple[int, list[str]]] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            args = Path(f"/proc/{d}/cmdline").read_bytes().decode(errors="replace").split("\0")
-            ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        procs[int(d)] = (ppid, args)
-    roots = [pid for pid, (_, args) in procs.items()
-             if args and args[0].endswith("criu") and any(cd in a for a in args for cd in cell_dirs)]
-    out, todo = [], list(roots)
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += [p for p, (pp, _) in procs.items() if pp == pid and p not in out]
-    return out
+    table = process_table()
+    roots = {pid for cd in cell_dirs for pid in criu_processes(table, cd)}
+    return sorted(roots | {k for r in roots for k in descendants(r, table)})
 
 
 def fence_cells(state_dir: str | Path, cell_ids: Iterable[str] | None = None) -> dict[str, list[str]]:
@@ -77,15 +62,11 @@ def fence_cells(state_dir: str | Path, cell_ids: Iterable[str] | None = None) ->
 
 def _kill_netns_tree(name: str) -> bool:
     """Kill every process inside network namespace `name` (a cell's tree), then remove it."""
-    try:
-        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True,
-                              timeout=10).stdout.split()
-    except (OSError, subprocess.SubprocessError):
-        pids = []
-    for pid in pids:
+    found = netns.pids(name)
+    for pid in found:
         try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
             pass
     netns.delete(name)
-    return bool(pids)
+    return bool(found)

@@ -117,6 +117,15 @@ def delete(name: str) -> None:
         record.unlink(missing_ok=True)
 
 
+def pids(name: str) -> list[int]:
+    """Host PIDs of the processes inside namespace `name` (none if it does not exist)."""
+    try:
+        out = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [int(p) for p in out.split() if p.isdigit()]
+
+
 def list_links() -> list[NetLink]:
     reg = _registry()
     if not reg.exists():

@@ -98,10 +98,9 @@ def vllm_processes(base: Path, live_cells: Iterable[Any]) -> set[str]:
 
 def _foreign_netns(name: str, base: Path) -> bool:
     """A namespace whose processes belong to another cluster (same cell name elsewhere)."""
-    try:
-        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=10).stdout.split()
-    except (OSError, subprocess.SubprocessError):
-        return False
+    from relocator.cell import netns as ns
+
+    pids = ns.pids(name)
     mine = f"RELOCATOR_STATE_DIR={Path(base).resolve()}".encode()
     for pid in pids:
         try:

@@ -23,6 +23,7 @@ from typing import Any, Callable
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 from relocator.chaos import leaks as L
+from relocator.procs import criu_processes, descendants, process_table
 from relocator.chaos.faults import FAULTS, SMOKE_FAULTS, Fault, Step, check_outcome, make_schedule, pick_target
 
 MODEL = "tiny-llama"
@@ -64,34 +65,6 @@ def _post_ok(url: str, timeout: float = 5.0) -> bool:
             return r.status == 200 and b"choices" in r.read()
     except Exception:  # noqa: BLE001
         return False
-
-
-def _procs() -> list[tuple[int, int, str]]:
-    """(pid, ppid, cmdline) of every process."""
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\x00", b" ").decode(errors="replace")
-            ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        out.append((int(d), ppid, cmd))
-    return out
-
-
-def _descendants(root: int, procs: list[tuple[int, int, str]]) -> list[int]:
-    kids: dict[int, list[int]] = {}
-    for pid, ppid, _ in procs:
-        kids.setdefault(ppid, []).append(pid)
-    out, todo = [], [root]
-    while todo:
-        p = todo.pop()
-        for c in kids.get(p, []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 def _kill(pid: int, sig: int = signal.SIGKILL) -> bool:
@@ -208,7 +181,7 @@ class Injector:
         deadline = time.monotonic() + 5
         seen = False
         while time.monotonic() < deadline and not seen:  # CRIU dump in flight
-            seen = any("criu" in c and "dump" in c and rid in c for _, _, c in _procs())
+            seen = bool(criu_processes(process_table(), "dump", rid))
             if not seen:
                 time.sleep(0.01)
         if still().get("phase") != "DUMP":
@@ -239,15 +212,14 @@ class Injector:
         cell_json = self.base / "nodes" / rel["dst"] / "state" / "cells" / dst_cell / "cell.json"
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            procs = _procs()
-            for pid, _, cmd in procs:
-                if "criu" in cmd and "restore" in cmd and rid in cmd:
-                    kids = _descendants(pid, procs)
-                    if kids:
-                        for k in kids:
-                            _kill(k)
-                        self._mark(killed="tasks under criu restore", pids=kids)
-                        return
+            table = process_table()
+            for pid in criu_processes(table, "restore", rid):
+                kids = descendants(pid, table)
+                if kids:
+                    for k in kids:
+                        _kill(k)
+                    self._mark(killed="tasks under criu restore", pids=kids)
+                    return
             if cell_json.exists():
                 try:
                     init = json.loads(cell_json.read_text())["init_pid"]
@@ -291,8 +263,8 @@ class Injector:
         ids = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and f"relocator_node:{node}" in n.get("Resources", {})]
         if not ids:
             return
-        for pid, _, cmd in _procs():
-            if "raylet" in cmd.split(" ")[0] and f"--node_id={ids[0]}" in cmd:
+        for pid, (_, argv) in process_table().items():
+            if argv and "raylet" in argv[0] and any(f"--node_id={ids[0]}" in a for a in argv):
                 _kill(pid)
                 self._mark(node=node, raylet_pid=pid)
                 return
@@ -390,9 +362,6 @@ def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConf
     deadline = time.monotonic() + cfg.move_timeout_s
     rel = still()
     while rel.get("result") == "running" and time.monotonic() < deadline:
-        if probe and _detected_at(rel, inj) is not None:
-            probe.add(worker["endpoint"])
-            probe.add(rel.get("dst_endpoint"))
         if inj and not inj.injected and inj.ready(rel):
             try:
                 inj.act(rel, still)
@@ -400,10 +369,10 @@ def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConf
                 inj.detail["error"] = f"{type(exc).__name__}: {exc}"
             if not inj.injected:
                 inj.fault_missed = True
-            elif probe and _detected_at(rel, inj) is not None:
-                # at once: the next status poll may wait on a controller that is restarting
-                probe.add(worker["endpoint"])
-                probe.add(rel.get("dst_endpoint"))
+        # right after the injection too: the next status poll may wait on a restarting controller
+        if probe and _detected_at(rel, inj) is not None:
+            probe.add(worker["endpoint"])
+            probe.add(rel.get("dst_endpoint"))
         time.sleep(0.02)
         rel = still()
     timed_out = rel.get("result") == "running"
@@ -533,7 +502,6 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
     try:
         before = L.collect(base)
         st0 = ctl.status()
-        pre_pgs = {w["id"]: w for w in st0["workers"]}
         t = time.monotonic()
         from concurrent.futures import ThreadPoolExecutor
 

@@ -78,12 +78,7 @@ class RayBackend:
 
     # -- planning ------------------------------------------------------------------------------
     def pick_target(self, worker: WorkerRecord) -> str:
-        from relocator.controller.inventory import best_fit
-
-        nodes = self.ctl.inventory()
-        free = {n.id: n.gpus_free for n in nodes.values() if n.alive}
-        totals = {n.id: n.gpus_total for n in nodes.values()}
-        node = best_fit(free, worker.gpus, exclude=(worker.node,), totals=totals, policy=self.ctl.policy)
+        node = self.ctl.place(worker.gpus, exclude=(worker.node,))
         if node is None:
             raise RuntimeError(f"no node other than {worker.node} has {worker.gpus} free GPU(s)")
         return node

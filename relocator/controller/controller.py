@@ -15,7 +15,7 @@ import time
 import traceback
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from relocator.agent.agent import NAMESPACE, start_agent
 from relocator.controller.backend import NodeLost, RayBackend
@@ -114,6 +114,12 @@ class Controller:
                 self._nodes_at = time.monotonic()
             return dict(self._nodes)
 
+    def place(self, gpus: int, exclude: tuple[str, ...] = (), refresh: bool = False) -> str | None:
+        """The live node the planner's policy puts a `gpus`-GPU worker on (None: no room)."""
+        nodes = self.inventory(refresh=refresh)
+        return best_fit({n.id: n.gpus_free for n in nodes.values() if n.alive}, gpus, exclude=exclude,
+                        totals={n.id: n.gpus_total for n in nodes.values()}, policy=self.policy)
+
     def ping(self) -> dict:
         return {"pid": os.getpid(), "started_at": self.started_at, "init_s": getattr(self, "init_s", None),
                 "recovering": self.recovering}
@@ -202,18 +208,13 @@ class Controller:
                 return "restored from its last image", self.backend.restore(node, w.last_image, w.cell_id)
             except Exception as exc:  # noqa: BLE001 - fall back to a cold start
                 log.warning("warm restart of %s from %s failed (%s); launching cold", w.id, w.last_image, exc)
-                try:
-                    self.backend.kill(node, w.cell_id)
-                except Exception:  # noqa: BLE001
-                    pass
+                self._best_effort(f"removing the failed restore of {w.id}", lambda: self.backend.kill(node, w.cell_id))
         return "cold launch", self.backend.call(node, "launch", w.cell_id, w.model_dir, w.model, 8000)
 
     def _drop_last_image(self, w: WorkerRecord) -> None:
         if w.last_image:
-            try:
-                self.backend.remove_image(w.last_image_node, w.last_image)
-            except Exception as exc:  # noqa: BLE001
-                log.warning("could not remove %s: %s", w.last_image, exc)
+            self._best_effort(f"removing {w.last_image}",
+                              lambda: self.backend.remove_image(w.last_image_node, w.last_image))
 
     def update_cells(self) -> None:
         """Cells on live nodes that no worker or open relocation owns (left by a failed kill, a
@@ -245,9 +246,7 @@ class Controller:
             except Exception as exc:  # noqa: BLE001 - left to update_cells / fencing
                 log.warning("replace %s: could not kill %s on %s: %s", w.id, old_cell, old_node, exc)
             self.backend.free(old_reservation)
-            nodes = self.inventory(refresh=True)
-            node = best_fit({n.id: n.gpus_free for n in nodes.values() if n.alive}, w.gpus,
-                            totals={n.id: n.gpus_total for n in nodes.values()}, policy=self.policy)
+            node = self.place(w.gpus, refresh=True)
             if node is None:
                 raise RuntimeError(f"no live node has {w.gpus} free GPU(s)")
             tag = uuid.uuid4().hex[:6]
@@ -265,12 +264,9 @@ class Controller:
                         w.cell_id, node, how, time.monotonic() - t0)
         except Exception as exc:  # noqa: BLE001
             log.error("could not replace lost worker %s: %s", w.id, exc)
-            for fn in (lambda: self.backend.kill(w.node, w.cell_id), lambda: self.backend.free(w.reservation),
-                       lambda: self.router().remove_replica(w.id)):  # held requests get their error now
-                try:
-                    fn()
-                except Exception:  # noqa: BLE001
-                    pass
+            self._best_effort(f"cleaning up the failed replacement of {w.id}",
+                              lambda: self.backend.kill(w.node, w.cell_id), lambda: self.backend.free(w.reservation),
+                              lambda: self.router().remove_replica(w.id))  # held requests get their error now
             w.state, w.error = "failed", f"lost ({w.error}); replacement failed: {exc}"
             self.store.save_worker(w)
         finally:
@@ -337,8 +333,7 @@ class Controller:
                 raise ValueError(f"worker {wid} exists")
             nodes = self.inventory(refresh=True)
             if node is None:
-                node = best_fit({n.id: n.gpus_free for n in nodes.values() if n.alive}, gpus,
-                                totals={n.id: n.gpus_total for n in nodes.values()}, policy=self.policy)
+                node = self.place(gpus)
                 if node is None:
                     raise RuntimeError(f"no node has {gpus} free GPU(s)")
             elif node not in nodes:
@@ -375,12 +370,18 @@ class Controller:
                 self._busy.discard(wid)
                 self._pending_reservations.discard(w.reservation)
 
-    def _abandon_launch(self, w: WorkerRecord, keep_record: bool = False) -> None:
-        for fn in (lambda: self.backend.kill(w.node, w.cell_id), lambda: self.backend.free(w.reservation)):
+    @staticmethod
+    def _best_effort(what: str, *steps: Callable[[], Any]) -> None:
+        """Each cleanup step in turn: one that fails is logged and the rest still run."""
+        for fn in steps:
             try:
                 fn()
             except Exception as exc:  # noqa: BLE001
-                log.warning("cleaning up interrupted launch of %s: %s", w.id, exc)
+                log.warning("%s: %s", what, exc)
+
+    def _abandon_launch(self, w: WorkerRecord, keep_record: bool = False) -> None:
+        self._best_effort(f"cleaning up interrupted launch of {w.id}",
+                          lambda: self.backend.kill(w.node, w.cell_id), lambda: self.backend.free(w.reservation))
         if keep_record:
             w.state = "lost"
             self.store.save_worker(w)
@@ -435,9 +436,10 @@ class Controller:
         w = self.store.worker(worker_id)
         if w is None:
             raise KeyError(f"unknown worker {worker_id!r}")
-        if to is not None and to not in self.inventory():
+        nodes = self.inventory()
+        if to is not None and to not in nodes:
             raise ValueError(f"unknown node {to!r}")
-        if to is not None and not self.inventory()[to].alive:
+        if to is not None and not nodes[to].alive:
             raise ValueError(f"node {to!r} is lost")
         with self._lock:
             if worker_id in self._busy:

@@ -140,7 +140,8 @@ class StreamState:
         incomplete UTF-8 sequence its first delta re-emits that whole text before the new one:
         it is cut off again (see _on_delta)."""
         self._ensure_tmpl()
-        self.context_echo = context.rstrip("\ufffd") if len(context.rstrip("\ufffd")) >= 4 else ""
+        echo = context.rstrip("\ufffd")
+        self.context_echo = echo if len(echo) >= 4 else ""
         self.cont = True
         self.legs += 1
         self.buf = b""
