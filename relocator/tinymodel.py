@@ -7,14 +7,18 @@ The same seed gives byte-identical files, so the weight hash in a fingerprint is
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import random
 import shutil
 import tempfile
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 DEFAULT_SEED = 0
 MODEL_NAME = "tiny-llama"
@@ -114,30 +118,61 @@ def _write_model(spec: TinyModelSpec, out: Path, vocab_size: int, bos: int, eos:
         gen.write_text(json.dumps(data, indent=2, sort_keys=True))
 
 
+#: Serialises generation inside one process. transformers exposes its classes through a lazy
+#: module: two threads doing their first `from transformers import X` at once can see a
+#: half-initialised module and fail with "cannot import name" (the demo's two parallel launches
+#: on a cold cache did).
+_GENERATE_LOCK = threading.Lock()
+
+
+@contextmanager
+def _exclusive(lock_file: Path) -> Iterator[None]:
+    """One generator at a time across threads and processes (flock on `lock_file`)."""
+    with _GENERATE_LOCK, open(lock_file, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _complete(target: Path) -> bool:
+    return (target / ".complete").exists()
+
+
 def ensure_tiny_model(spec: TinyModelSpec | None = None, root: Path | None = None) -> Path:
-    """Return the directory of the tiny model, generating it once (atomically) if needed."""
+    """Return the directory of the tiny model, generating it once if needed.
+
+    Safe to call at once from several threads and processes: the first caller builds the model
+    in a private temporary folder under a lock and renames it into place; the others wait on
+    the lock and find it complete."""
     spec = spec or TinyModelSpec()
     root = root or cache_root() / "models"
     target = root / spec.dirname
-    if (target / ".complete").exists():
+    if _complete(target):
         return target
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
-    try:
-        _train_tokenizer(spec, tmp)
-        from transformers import PreTrainedTokenizerFast
-
-        tok = PreTrainedTokenizerFast.from_pretrained(tmp)
-        _write_model(spec, tmp, len(tok), tok.bos_token_id, tok.eos_token_id)
-        (tmp / ".complete").write_text(json.dumps(spec.__dict__))
+    with _exclusive(root / f".{spec.dirname}.lock"):
+        if _complete(target):  # built by whoever held the lock before us
+            return target
+        if target.exists():  # an incomplete copy (written in place by an older release)
+            shutil.rmtree(target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{spec.dirname}-", dir=root))
         try:
+            _build(spec, tmp)
             tmp.rename(target)
-        except OSError:  # another process won the race; its copy is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    finally:
-        if tmp.exists():
+        finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _build(spec: TinyModelSpec, out: Path) -> None:
+    _train_tokenizer(spec, out)
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(out)
+    _write_model(spec, out, len(tok), tok.bos_token_id, tok.eos_token_id)
+    (out / ".complete").write_text(json.dumps(spec.__dict__))
 
 
 def weight_hash(model_dir: Path) -> str:
