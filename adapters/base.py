@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 from pydantic import BaseModel
 
+from relocator.choices import registry_choice
+
 
 class EngineFingerprint(BaseModel):
     """What must match between a snapshot and the place it is restored to, engine side."""
@@ -93,3 +95,14 @@ def get_adapter(name: str) -> EngineAdapter:
     if name not in _REGISTRY:
         raise KeyError(f"unknown engine {name!r}; known: {', '.join(sorted(_REGISTRY)) or 'none'}")
     return _REGISTRY[name]()
+
+
+def engine_names() -> list[str]:
+    """The engines with an adapter package next to this module (each registers when imported)."""
+    import pkgutil
+
+    return sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]) if m.ispkg)
+
+
+#: the engines a worker can run, as a typed choice (`relocator cell launch --engine`)
+Engine = registry_choice("Engine", engine_names(), __name__)

@@ -12,6 +12,8 @@ import random
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
+from relocator.controller.model import TransferMode
+
 PHASES = ("PLAN", "RESERVE", "HOLD", "DUMP", "TRANSFER", "RESTORE", "SWITCH", "RELEASE")
 
 
@@ -21,7 +23,7 @@ class Fault:
     phase: str  # the relocation phase during which it is injected
     expect: tuple[str, ...]  # acceptable relocation results
     how: str
-    transfer: str | None = None  # forces the transfer mode of its relocation
+    transfer: TransferMode | None = None  # forces the transfer mode of its relocation
     controller_faults: tuple[tuple[str, Any], ...] = ()  # passed to relocate(faults=...)
     destructive: bool = False  # leaves the cluster smaller (node taken away)
     requests_may_fail: bool = False  # the fault itself cuts client connections
@@ -43,7 +45,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "SIGKILL the source node's agent actor (ray.kill) while CRIU dumps its cell"),
     Fault("cut-transfer", "TRANSFER", ("rolled_back",),
           "streamed transfer: SIGKILL the sending agent while the target pulls the image",
-          transfer="stream"),
+          transfer=TransferMode.STREAM),
     Fault("flip-byte", "RESTORE", ("rolled_back",),
           "flip one byte in the middle of the largest image file after DUMP, before RESTORE "
           "verifies it (the controller pauses 1 s before RESTORE: `pause` fault hook)",
@@ -77,6 +79,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
 )}
 
 SMOKE_FAULTS = tuple(FAULTS)
+ALL, NONE = ("all", "*"), ("none",)  # words parse_faults takes for every fault / for none
 
 
 def parse_faults(spec: str | Sequence[str] | None) -> list[str]:
@@ -84,13 +87,13 @@ def parse_faults(spec: str | Sequence[str] | None) -> list[str]:
     if spec is None:
         return []
     items = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
-    if items in (["all"], ["*"]):
+    if len(items) == 1 and items[0] in ALL:
         return list(FAULTS)
-    if items in ([], ["none"]):
+    if items in ([], list(NONE)):
         return []
     bad = [i for i in items if i not in FAULTS]
     if bad:
-        raise ValueError(f"unknown fault(s) {', '.join(bad)}; known: {', '.join(FAULTS)}")
+        raise ValueError(f"unknown fault(s) {', '.join(map(repr, bad))}; known: {', '.join(FAULTS)}")
     return items
 
 

@@ -3,9 +3,25 @@
 from __future__ import annotations
 
 import typer
+from typer.core import TyperGroup
+
+
+class RelocatorGroup(TyperGroup):
+    """A wrong option value is one line like every other relocator error, with exit 2:
+    `error: Invalid value for '--transfer': 'postcopy' is not one of 'shared', 'stream'.`"""
+
+    def invoke(self, ctx):  # type: ignore[no-untyped-def]
+        try:
+            return super().invoke(ctx)
+        except typer.BadParameter as exc:  # subcommands parse their options in here
+            message = exc.format_message().replace(": Value error, ", ": ", 1)
+            typer.echo(f"error: {message}", err=True)
+            raise typer.Exit(2) from None
+
 
 app = typer.Typer(
     name="relocator",
+    cls=RelocatorGroup,
     help="Move running LLM serving workers between nodes, with their traffic.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,

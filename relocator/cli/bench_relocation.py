@@ -12,11 +12,12 @@ import typer
 
 from relocator.cli import bench_app
 from relocator.cli.common import console, handle_errors, print_json
+from relocator.controller.model import TransferMode
 
 MODEL = "tiny-llama"
 
 
-def run_bench(streams: int = 8, max_tokens: int = 256, transfer: str = "shared",
+def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode = TransferMode.SHARED,
               base_dir: str = "/var/lib/relocator/bench") -> dict:
     import relocator
     from relocator.cluster.scenario import relocate_under_load
@@ -53,7 +54,8 @@ def run_bench(streams: int = 8, max_tokens: int = 256, transfer: str = "shared",
 def bench_relocation(json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
                      streams: int = typer.Option(8, help="concurrent greedy streams"),
                      max_tokens: int = typer.Option(256, help="tokens per request"),
-                     transfer: str = typer.Option("shared", help="shared | stream (agent to agent, checksummed)"),
+                     transfer: TransferMode = typer.Option(TransferMode.SHARED,
+                                                           help="stream: agent to agent, checksummed"),
                      cluster_dir: str = typer.Option("/var/lib/relocator/bench", "--cluster-dir")) -> None:
     """Blackout, phases and token check of one live relocation vs a cold start."""
     out = run_bench(streams, max_tokens, transfer, cluster_dir)

@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 
 from relocator.cli import bench_app
-from relocator.cli.simulate import fail, load_inputs, parse_choices, print_table, run_with_progress
+from relocator.cli.simulate import POLICY_LIST, fail, load_inputs, parse_choices, print_table, run_with_progress
 
 REF_NAMES = {"random": "01-Random", "dot-product": "02-DotProd", "best-fit": "05-BestFit", "fgd": "06-FGD"}
 VALIDATED = ("fgd", "best-fit")
@@ -41,7 +41,8 @@ def compare(results: list[dict], reference: list[dict]) -> list[dict]:
 @bench_app.command("sim")
 def bench_sim(
     trace: Optional[Path] = typer.Option(None, "--trace", help="openb folder (default ../shared/data/openb or $RELOCATOR_OPENB_DIR)."),
-    policy: str = typer.Option("random,dot-product,best-fit,fgd", "--policy", help="Policies, comma-separated."),
+    policy: str = typer.Option("random,dot-product,best-fit,fgd", "--policy", callback=POLICY_LIST,
+                               help="Policies, comma-separated."),
     seeds: str = typer.Option("42..51", "--seeds", help="Seeds (the reference uses 42..51)."),
     moves_per_pod: int = typer.Option(4, "--moves-per-pod", help="Most moves to make room for one pod."),
     min_gain: int = typer.Option(1500, "--min-gain", help="Milli-GPU a plan must be worth per move (its pod plus GPU share made usable)."),

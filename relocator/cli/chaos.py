@@ -10,7 +10,25 @@ import typer
 from rich.table import Table
 
 from relocator.cli import app
-from relocator.cli.common import console, handle_errors, print_json
+from relocator.cli.common import choice_list, console, handle_errors, print_json
+
+
+def _faults(text: str) -> list[str]:
+    from relocator.chaos.faults import parse_faults
+
+    return parse_faults(text)
+
+
+def _fault_names() -> list[str]:
+    from relocator.chaos.faults import FAULTS
+
+    return list(FAULTS)
+
+
+def _fault_words() -> list[str]:
+    from relocator.chaos.faults import ALL, NONE
+
+    return [*ALL, *NONE]
 
 
 @app.command("chaos")
@@ -18,7 +36,8 @@ from relocator.cli.common import console, handle_errors, print_json
 def chaos_cmd(duration: float = typer.Option(None, "--duration", help="stop starting moves after D seconds"),
               moves: int = typer.Option(None, "--moves", help="plain forced moves (default 100; smoke 3)"),
               moves_per_minute: float = typer.Option(0.0, "--moves-per-minute", help="pace (0: back to back)"),
-              faults: str = typer.Option(None, "--faults", help="comma list, 'all' or 'none' (default none; smoke all)"),
+              faults: str = typer.Option(None, "--faults", callback=choice_list(_faults, _fault_names, _fault_words),
+                                         help="comma list, 'all' or 'none' (default none; smoke all)"),
               smoke: bool = typer.Option(False, "--smoke", help="a few minutes: a handful of moves, every fault once"),
               streams: int = typer.Option(None, "--streams", help="concurrent streams (default 8; smoke 4)"),
               workers: int = typer.Option(1, "--workers", help="workers to launch and move"),

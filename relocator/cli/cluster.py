@@ -12,6 +12,8 @@ from rich.table import Table
 
 from relocator.cli import app
 from relocator.cli.common import console, handle_errors, print_json
+from relocator.controller.machine import PhaseFault
+from relocator.controller.model import TransferMode
 
 JSON = typer.Option(False, "--json", help="print one JSON object")
 CLUSTER_DIR = typer.Option(None, "--cluster-dir", help="where the cluster runs from "
@@ -117,11 +119,11 @@ def launch_cmd(model: str = typer.Option("tiny-llama", "--model", "-m", help="ti
 @handle_errors
 def relocate_cmd(worker: str = typer.Argument(..., help="worker id"),
                  to: Optional[str] = typer.Option(None, "--to", help="target node (default: the planner picks)"),
-                 transfer: Optional[str] = typer.Option(None, help="shared | stream"),
-                 fault: Optional[str] = typer.Option(None, help="inject a failure: dump | transfer | restore"),
+                 transfer: Optional[TransferMode] = typer.Option(None, help="default: the cluster's config"),
+                 fault: Optional[PhaseFault] = typer.Option(None, help="inject a failure at the end of that phase"),
                  cluster_dir: Optional[str] = CLUSTER_DIR, json_out: bool = JSON) -> None:
     """Move a running worker, live, with its traffic; waits and prints phases with timings."""
-    faults = {fault: True} if fault else None
+    faults = {fault.value: True} if fault else None
     rel = _connect(cluster_dir).relocate(worker, to, transfer, faults)
     if json_out:
         print_json(rel)
@@ -137,7 +139,7 @@ def relocate_cmd(worker: str = typer.Argument(..., help="worker id"),
 @handle_errors
 def drain_cmd(node: str = typer.Argument(..., help="node to empty"),
               parallel: int = typer.Option(1, help="relocations at a time"),
-              transfer: Optional[str] = typer.Option(None, help="shared | stream"),
+              transfer: Optional[TransferMode] = typer.Option(None, help="default: the cluster's config"),
               cluster_dir: Optional[str] = CLUSTER_DIR, json_out: bool = JSON) -> None:
     """Move every worker off NODE, live."""
     out = _connect(cluster_dir).drain(node, parallel, transfer)

@@ -6,7 +6,7 @@ import functools
 import json
 import os
 import sys
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterable, TypeVar
 
 import typer
 from rich.console import Console
@@ -40,3 +40,24 @@ def handle_errors(fn: F) -> F:
             fail(f"{exc}  ({type(exc).__name__}; set RELOCATOR_DEBUG=1 for a traceback)", 2)
 
     return wrapper  # type: ignore[return-value]
+
+
+def choice_list(parse: Callable[[str], Any], choices: Callable[[], Iterable[str]],
+                words: Callable[[], Iterable[str]] = tuple) -> Callable[[Any], Any]:
+    """A typer callback for a comma list of names from a fixed set (`--policy fgd,best-fit`):
+    `parse` (ValueError naming the valid names on a wrong one) runs while the options are
+    read, so a wrong name is a usage error (exit 2), before any work starts. `choices` (the
+    valid names) and `words` (other names `parse` accepts: aliases, "all") stay lazy, so the
+    module that owns them is imported only by the command that uses them; tests read both."""
+
+    def callback(value: Any) -> Any:
+        if value is not None:
+            try:
+                parse(value)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc)) from None
+        return value
+
+    callback.choices = lambda: tuple(choices())  # type: ignore[attr-defined]
+    callback.words = lambda: tuple(words())  # type: ignore[attr-defined]
+    return callback

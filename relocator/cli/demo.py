@@ -19,12 +19,13 @@ from rich.table import Table
 
 from relocator.cli import app
 from relocator.cli.common import console, handle_errors, print_json
+from relocator.controller.model import TransferMode
 
 MODEL = "tiny-llama"
 
 
 def run_demo(nodes: int = 2, gpus: int = 4, streams: int = 8, max_tokens: int = 256,
-             base_dir: str = "/var/lib/relocator/demo", transfer: str = "shared", keep: bool = False,
+             base_dir: str = "/var/lib/relocator/demo", transfer: TransferMode = TransferMode.SHARED, keep: bool = False,
              say=lambda *_: None) -> dict:
     import relocator
     from relocator.cluster.scenario import relocate_under_load
@@ -86,7 +87,7 @@ def run_demo(nodes: int = 2, gpus: int = 4, streams: int = 8, max_tokens: int = 
 def demo_cmd(nodes: int = typer.Option(2, help="nodes (2-3)"), gpus: int = typer.Option(4, help="fake GPUs per node"),
              streams: int = typer.Option(8, help="concurrent greedy streams"),
              max_tokens: int = typer.Option(256, help="tokens per request"),
-             transfer: str = typer.Option("shared", help="shared | stream"),
+             transfer: TransferMode = typer.Option(TransferMode.SHARED, help="how the image moves"),
              cluster_dir: str = typer.Option("/var/lib/relocator/demo", "--cluster-dir"),
              keep: bool = typer.Option(False, help="leave the cluster running"),
              json_out: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:

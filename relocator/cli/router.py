@@ -8,7 +8,9 @@ from typing import List, Optional
 
 import typer
 
+from relocator.choices import LogLevel
 from relocator.cli import app, bench_app
+from relocator.router.policies import RouterPolicy
 
 router_app = typer.Typer(help="The OpenAI-compatible router that moves traffic with workers.",
                          no_args_is_help=True)
@@ -23,12 +25,12 @@ def serve(
     port: Optional[int] = typer.Option(None, help="API port"),
     backend: List[str] = typer.Option([], "--backend", "-b",
                                       help="MODEL=URL or WORKER@MODEL=URL, repeatable"),
-    policy: Optional[str] = typer.Option(None, help="round_robin | least_in_flight | affinity"),
+    policy: Optional[RouterPolicy] = typer.Option(None, help="replica selection (default: the config's)"),
     fd: Optional[int] = typer.Option(None, "--fd", help="serve the API on this inherited "
                                      "listening socket (overrides host/port)"),
     state_file: Optional[str] = typer.Option(None, help="persist the routing table here and "
                                              "load it at start"),
-    log_level: str = typer.Option("warning", help="Python log level"),
+    log_level: LogLevel = typer.Option(LogLevel.WARNING, help="Python log level"),
 ) -> None:
     """Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics and the
     control API. (`python -m relocator.router` is the same without the CLI's start-up cost.)"""

@@ -11,6 +11,20 @@ from typing import Optional
 import typer
 
 from relocator.cli import app
+from relocator.cli.common import choice_list
+from relocator.planner.policies import PlacementPolicy, canonical_policy_name, policy_aliases
+from relocator.sim.engine import ArrivalOrder
+
+
+def _policy_list(text: str) -> list[str]:
+    names = [canonical_policy_name(p) for p in text.split(",") if p.strip()]
+    if not names:
+        raise ValueError(f"no policy given; valid: {', '.join(PlacementPolicy.values())}")
+    return names
+
+
+#: `--policy` of `simulate` and `bench sim`: placement policies, comma-separated
+POLICY_LIST = choice_list(_policy_list, PlacementPolicy.values, policy_aliases)
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -42,13 +56,10 @@ def fail(msg: str, code: int = 2) -> "typer.Exit":
 
 def parse_choices(policy: str, seeds: str) -> tuple[list[str], list[int]]:
     """Policy names (canonical) and seeds from their option strings, or a CLI error."""
-    from relocator.planner.cluster import PlannerError
-    from relocator.planner.policies import canonical_policy_name
-
     try:
         seed_list = parse_seeds(seeds)
-        policies = [canonical_policy_name(p) for p in policy.split(",") if p.strip()]
-    except (ValueError, PlannerError) as exc:
+        policies = _policy_list(policy)
+    except ValueError as exc:  # PlannerError too
         raise fail(str(exc)) from None
     return policies, seed_list
 
@@ -107,11 +118,12 @@ def run_with_progress(nodes, pods, policies, seeds, relocate, tune, order, moves
 def simulate_cmd(
     trace: Optional[Path] = typer.Option(None, "--trace", help="Folder with openb_node_list_gpu_node.csv (default: ../shared/data/openb or $RELOCATOR_OPENB_DIR)."),
     pods: Optional[Path] = typer.Option(None, "--pods", help="Pod list CSV in the openb format (default: openb_pod_list_default.csv in --trace)."),
-    policy: str = typer.Option("fgd", "--policy", help="Policies, comma-separated: random, best-fit, dot-product, fgd."),
+    policy: str = typer.Option("fgd", "--policy", callback=POLICY_LIST,
+                               help=f"Policies, comma-separated: {', '.join(PlacementPolicy.values())}."),
     relocate: bool = typer.Option(False, "--relocate", help="Also run each policy with relocation (moves running pods for pods that fit nowhere)."),
     seeds: str = typer.Option("42", "--seeds", help="Seeds: 42..51, 42,43 or 42."),
     tune: float = typer.Option(1.3, "--tune", help="Workload tuning ratio (arrived GPU demand / capacity)."),
-    order: str = typer.Option("shuffle", "--order", help="Arrival order: shuffle (the authors' runs) or submission (creation_time)."),
+    order: ArrivalOrder = typer.Option(ArrivalOrder.SHUFFLE, "--order", help="Arrival order: shuffle (the authors' runs) or submission (creation_time)."),
     moves_per_pod: int = typer.Option(4, "--moves-per-pod", help="Relocation: most moves to make room for one pod."),
     max_moves: Optional[int] = typer.Option(None, "--max-moves", help="Relocation: most moves in one run (default: no limit)."),
     min_gain: int = typer.Option(1500, "--min-gain", help="Relocation: milli-GPU a plan must be worth per move (its pod plus GPU share made usable; 0: every plan)."),
@@ -121,10 +133,6 @@ def simulate_cmd(
 ) -> None:
     """Replay the openb trace under placement policies, with and without relocation."""
     policies, seed_list = parse_choices(policy, seeds)
-    if not policies:
-        raise fail("no policy given")
-    if order not in ("shuffle", "submission"):
-        raise fail("--order must be shuffle or submission")
     if tune < 0 or moves_per_pod < 0 or min_gain < 0 or (max_moves is not None and max_moves < 0):
         raise fail("--tune, --moves-per-pod, --min-gain and --max-moves must not be negative")
     _, nodes, pod_list = load_inputs(trace, pods)

@@ -12,7 +12,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from relocator.cli import app
+from adapters import Engine
 from relocator.cli.common import console, err, fail, handle_errors, print_json
+from relocator.snapshot.snapshot import VerifyMode
 
 cell_app = typer.Typer(help="Worker cells on this node (own PID/mount/IPC/UTS/net namespaces).", no_args_is_help=True)
 snapshot_app = typer.Typer(help="Dump a cell to an image, restore an image to a new cell, inspect images.", no_args_is_help=True)
@@ -50,7 +52,7 @@ def cell_launch(
     model_dir: Optional[Path] = typer.Option(None, help="HF model directory (default: the tiny model)."),
     name: str = typer.Option("tiny-llama", help="Served model name."),
     port: int = typer.Option(8000, min=1, max=65535, help="Port inside the cell's network namespace."),
-    engine: str = typer.Option("vllm"),
+    engine: Engine = typer.Option(Engine.VLLM, help="Engine adapter."),
     wait: bool = typer.Option(True, help="Wait until the engine serves."),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -61,7 +63,7 @@ def cell_launch(
     if model_dir is not None and not (model_dir / "config.json").exists():
         fail(f"{model_dir} is not a model directory (no config.json)")
     spec = default_spec(model_dir or ensure_tiny_model(), name=name, port=port)
-    cell = launch_worker(spec, engine=engine)
+    cell = launch_worker(spec, engine=engine.value)
     info = _cell_dict(cell)
     if wait:
         with err.status(f"waiting for {engine} in cell {cell.id} at {cell.endpoint}"):
@@ -141,18 +143,15 @@ def snapshot_dump(
 @handle_errors
 def snapshot_restore(
     image_dir: Path,
-    verify: str = typer.Option("auto", help="full: hash every file; auto: unless this host hashed "
-                               "these unchanged files already; none: sizes only."),
+    verify: VerifyMode = typer.Option(VerifyMode.AUTO, help="full: hash every file; auto: unless this host "
+                                      "hashed these unchanged files already; none: sizes only."),
     wait: bool = typer.Option(True, help="Wait until the restored engine serves."),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Verify IMAGE_DIR against this host and restore it into a new cell."""
     from relocator.snapshot import ImageError, IncompatibleImage, RestoreTarget, restore
-    from relocator.snapshot.snapshot import VERIFY_MODES
     from relocator.worker import wait_ready
 
-    if verify not in VERIFY_MODES:
-        fail(f"--verify must be one of {', '.join(VERIFY_MODES)}, not {verify!r}")
     start = time.monotonic()
     try:
         with _progress() as progress:

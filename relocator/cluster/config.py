@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from relocator.controller.model import TransferMode
+from relocator.planner.policies import PlacementPolicy
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "configs" / "local.yaml"
 
 
-class ClusterSection(BaseModel):
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelled key is an error, not a default
+
+
+class ClusterSection(_Section):
     nodes: int = Field(3, ge=1, le=16)
     gpus_per_node: int = Field(4, ge=0, le=64)
     cpus_per_node: int = Field(1, ge=0, le=64)
@@ -25,15 +32,15 @@ class ClusterSection(BaseModel):
     health_check_failure_threshold: int = Field(3, ge=1)
 
 
-class RouterSection(BaseModel):
+class RouterSection(_Section):
     port: int = Field(0, ge=0, le=65535)
     control_port: int = Field(0, ge=0, le=65535)
     control_token: str | None = None
 
 
-class ControllerSection(BaseModel):
-    transfer: Literal["shared", "stream"] = "shared"
-    policy: str = "best-fit"
+class ControllerSection(_Section):
+    transfer: TransferMode = TransferMode.SHARED
+    policy: PlacementPolicy = PlacementPolicy.BEST_FIT  # planner policy for launch, drain, replacement
     reconcile_interval_s: float = Field(2.0, gt=0)
     keep_images: bool = False
     # keep each worker's newest image (shared storage only) so a lost worker restarts warm

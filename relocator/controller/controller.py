@@ -20,8 +20,8 @@ from typing import Any, Callable
 from relocator.agent.agent import NAMESPACE, start_agent
 from relocator.controller.backend import NodeLost, RayBackend
 from relocator.controller.inventory import NodeInfo, best_fit, ray_nodes
-from relocator.controller.machine import Machine
-from relocator.controller.model import RUNNING, Relocation, WorkerRecord
+from relocator.controller.machine import Machine, PhaseFault, check_faults
+from relocator.controller.model import RUNNING, Relocation, TransferMode, WorkerRecord
 from relocator.controller.store import Store
 
 CONTROLLER_NAME = "relocator-controller"
@@ -33,7 +33,10 @@ log = logging.getLogger("relocator.controller")
 def env_faults() -> dict[str, Any]:
     """Fault injection from the environment: RELOCATOR_FAULTS="dump,transfer,restore"."""
     raw = os.environ.get("RELOCATOR_FAULTS", "")
-    return {p.strip().lower(): True for p in raw.split(",") if p.strip()}
+    try:
+        return {PhaseFault(p.strip().lower()).value: True for p in raw.split(",") if p.strip()}
+    except ValueError as exc:
+        raise ValueError(f"RELOCATOR_FAULTS: {exc}") from None
 
 
 class Controller:
@@ -43,8 +46,10 @@ class Controller:
         self.router_control_url = config.get("router_control_url")
         self.router_token = config.get("router_token")
         self.router_url = config.get("router_url")
-        self.transfer = config.get("transfer", "shared")
-        self.policy = config.get("policy", "best-fit")
+        from relocator.planner.policies import PlacementPolicy
+
+        self.transfer = TransferMode(config.get("transfer", TransferMode.SHARED))
+        self.policy = PlacementPolicy(config.get("policy", PlacementPolicy.BEST_FIT))
         self.interval = float(config.get("reconcile_interval_s", 2.0))
         self.store = Store(self.base_dir / "controller.db")
         self.backend = RayBackend(self)
@@ -441,12 +446,14 @@ class Controller:
             raise ValueError(f"unknown node {to!r}")
         if to is not None and not nodes[to].alive:
             raise ValueError(f"node {to!r} is lost")
+        mode = TransferMode(transfer) if transfer is not None else self.transfer
+        faults = check_faults({**env_faults(), **(faults or {})})
         with self._lock:
             if worker_id in self._busy:
                 raise RuntimeError(f"worker {worker_id} is already being relocated or started")
             self._busy.add(worker_id)
         rel = Relocation(id=Relocation.new_id(), worker=worker_id, src=w.node, dst=to,
-                         transfer=transfer or self.transfer, faults={**env_faults(), **(faults or {})})
+                         transfer=mode, faults=faults)
         self.store.save_relocation(rel)
         self._spawn(rel)
         if not wait:
@@ -472,6 +479,7 @@ class Controller:
         """Move every worker off `node`, live; `parallel` relocations at a time."""
         if node not in self.inventory():
             raise ValueError(f"unknown node {node!r}")
+        transfer = TransferMode(transfer) if transfer is not None else None
         t0 = time.monotonic()
         todo = [w for w in self.store.workers() if w.node == node and w.state == "running"]
         # plan all targets up front (evacuation), biggest first

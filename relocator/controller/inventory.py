@@ -7,9 +7,11 @@ and every relocation target holds its GPUs through a placement group.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 NODE_RESOURCE = "relocator_node:"
+log = logging.getLogger("relocator.controller")
 
 
 @dataclass
@@ -54,15 +56,17 @@ def ray_nodes(known: dict[str, str] | None = None) -> dict[str, NodeInfo]:
 
 def best_fit(free: dict[str, int], gpus: int, exclude: tuple[str, ...] = (), totals: dict[str, int] | None = None,
              policy: str = "best-fit") -> str | None:
-    """The node to put a `gpus`-GPU worker on: the planner's policy when it can answer, else
-    plain best-fit (fewest GPUs left over, ties by name)."""
+    """The node to put a `gpus`-GPU worker on: the planner's `policy` when it knows every node's
+    total (`totals`), else plain best-fit (fewest GPUs left over, ties by name). An unknown
+    policy is refused (ValueError naming the planner's policies), never replaced."""
+    from relocator import planner
+
+    policy = planner.PlacementPolicy(policy)
     candidates = {n: f for n, f in free.items() if n not in exclude and f >= gpus}
     if not candidates:
         return None
     if totals:
         try:
-            from relocator import planner
-
             nodes = [planner.NodeSpec(n, 10**6, 10**7, totals[n]) for n in sorted(free)]
             cluster = planner.Cluster(nodes)
             for n in sorted(free):
@@ -70,9 +74,10 @@ def best_fit(free: dict[str, int], gpus: int, exclude: tuple[str, ...] = (), tot
                 if used > 0:
                     cluster.add(planner.Workload(f"_used_{n}", num_gpu=used, gpu_milli=1000), n)
             placement = planner.place(cluster, planner.Workload("_new", num_gpu=gpus, gpu_milli=1000),
-                                      policy=policy, exclude=tuple(exclude))
+                                      policy=policy.value, exclude=tuple(n for n in exclude if n in free))
+        except (planner.PlannerError, KeyError) as exc:  # an inventory the planner cannot model
+            log.warning("placement by %s failed (%s); using plain best-fit", policy, exc)
+        else:
             if placement is not None and placement.node in candidates:
                 return placement.node
-        except Exception:  # noqa: BLE001 - the planner is optional here
-            pass
     return min(candidates, key=lambda n: (candidates[n] - gpus, n))

@@ -15,6 +15,7 @@ from typing import Any, Callable, Protocol
 
 from tenacity import Retrying, stop_after_delay, wait_fixed
 
+from relocator.choices import Choice
 from relocator.controller.model import (
     DONE,
     FAILED,
@@ -23,6 +24,7 @@ from relocator.controller.model import (
     ROLLED_BACK,
     RUNNING,
     Relocation,
+    TransferMode,
     WorkerRecord,
     phase_index,
 )
@@ -48,6 +50,31 @@ class FaultInjected(RelocationError):
 
 class SimulatedCrash(BaseException):
     """Raised by a test's crash hook: the machine stops dead, as if its process had died."""
+
+
+class PhaseFault(Choice):
+    """A failure injected at the end of a phase (`relocate(faults={"dump": True})`)."""
+
+    DUMP = "dump"
+    TRANSFER = "transfer"
+    RESTORE = "restore"
+
+
+#: fault hooks that act when a phase starts: {"phase": PHASE, ...}
+HOOKS = ("crash", "pause")
+
+
+def check_faults(faults: dict[str, Any] | None) -> dict[str, Any]:
+    """The faults of one relocation, checked: phase faults by name, hooks with a known phase.
+    A wrong name is refused (ValueError naming the valid ones), never ignored."""
+    out = dict(faults or {})
+    for key, value in out.items():
+        if key in HOOKS:
+            if not isinstance(value, dict) or value.get("phase") not in PHASES:
+                raise ValueError(f"fault {key!r} needs {{'phase': one of {', '.join(PHASES)}}}, not {value!r}")
+        elif key not in PhaseFault.values():
+            raise ValueError(f"unknown fault {key!r}; valid: {', '.join(PhaseFault.values() + HOOKS)}")
+    return out
 
 
 class Backend(Protocol):
@@ -122,7 +149,7 @@ class Machine:
         self._save(rel)
 
     def _fault(self, rel: Relocation, phase: str) -> None:
-        if rel.faults.get(phase.lower()):
+        if rel.faults.get(PhaseFault(phase.lower())):
             raise FaultInjected(f"fault injected at {phase}")
 
     # -- the run ---------------------------------------------------------------------------
@@ -164,6 +191,8 @@ class Machine:
 
     # -- phases ----------------------------------------------------------------------------
     def _p_plan(self, rel: Relocation, w: WorkerRecord) -> dict:
+        rel.transfer = TransferMode(rel.transfer)  # unknown mode or fault: refused before anything moves
+        check_faults(rel.faults)
         if w.state not in ("running",):
             raise PlanError(f"worker {w.id} is {w.state}, not running")
         if w.node != rel.src:
@@ -178,7 +207,7 @@ class Machine:
         rel.src_cell, rel.src_endpoint, rel.src_reservation = w.cell_id, w.endpoint, w.reservation
         rel.dst_cell = f"{w.id}-{rel.id}"
         rel.image_dir = self.backend.image_dir(rel.src, rel.id)
-        rel.dst_image_dir = (rel.image_dir if rel.transfer == "shared"
+        rel.dst_image_dir = (rel.image_dir if rel.transfer == TransferMode.SHARED
                              else self.backend.image_dir(rel.dst, rel.id))
         w.state = "relocating"
         self.store.save_worker(w)
@@ -201,16 +230,20 @@ class Machine:
         return info
 
     def _p_transfer(self, rel: Relocation, w: WorkerRecord) -> dict:
-        if rel.transfer == "shared":
-            self._fault(rel, "TRANSFER")
-            return {"skipped": "shared storage"}
-        info = self.backend.transfer(rel.src, rel.dst, rel.image_dir, rel.dst_image_dir)
+        mode = TransferMode(rel.transfer)  # every mode handled below; an unknown one is refused
+        if mode is TransferMode.SHARED:
+            info: dict = {"skipped": "shared storage"}
+        elif mode is TransferMode.STREAM:
+            info = self.backend.transfer(rel.src, rel.dst, rel.image_dir, rel.dst_image_dir)
+        else:  # pragma: no cover - a mode added to TransferMode without its transfer
+            raise RelocationError(f"transfer mode {mode} has no implementation")
         self._fault(rel, "TRANSFER")
         return info
 
     def _p_restore(self, rel: Relocation, w: WorkerRecord) -> dict:
         # a streamed image was hashed byte by byte on arrival: no second pass over it
-        info = self.backend.restore(rel.dst, rel.dst_image_dir, rel.dst_cell, verified=rel.transfer == "stream")
+        info = self.backend.restore(rel.dst, rel.dst_image_dir, rel.dst_cell,
+                                    verified=rel.transfer == TransferMode.STREAM)
         rel.dst_endpoint = info["endpoint"]
         self._save(rel)
         self._fault(rel, "RESTORE")
@@ -246,7 +279,7 @@ class Machine:
         if rel.src_reservation:
             self.backend.free(rel.src_reservation)
         w = self.store.worker(w.id) or w
-        keep = self.keep_last_image and rel.transfer == "shared" and bool(rel.image_dir)
+        keep = self.keep_last_image and rel.transfer == TransferMode.SHARED and bool(rel.image_dir)
         old_image = (w.last_image_node, w.last_image)
         self._cleanup_images(rel, keep=rel.image_dir if keep else None)
         if keep:
@@ -385,5 +418,6 @@ class Machine:
             self._release_worker(w)
 
 
-__all__ = ["Backend", "FaultInjected", "Machine", "PlanError", "RelocationError", "SimulatedCrash",
+__all__ = ["Backend", "FaultInjected", "Machine", "PhaseFault", "PlanError", "RelocationError", "SimulatedCrash",
+           "check_faults",
            "RUNNING", "DONE", "ROLLED_BACK", "FAILED"]

@@ -7,11 +7,20 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from relocator.choices import Choice
+
 # The eight phases of DESIGN.md, in order. Each is persisted before it starts.
 PHASES = ("PLAN", "RESERVE", "HOLD", "DUMP", "TRANSFER", "RESTORE", "SWITCH", "RELEASE")
 ROLLBACK_BEFORE = PHASES.index("SWITCH")  # a failure in a phase before SWITCH rolls back
 
 RUNNING, DONE, ROLLED_BACK, FAILED = "running", "done", "rolled_back", "failed"
+
+
+class TransferMode(Choice):
+    """How the TRANSFER phase gets the image to the target node."""
+
+    SHARED = "shared"  # every node sees the image directory: nothing to copy
+    STREAM = "stream"  # agent to agent, hashed as it arrives
 
 
 def phase_index(phase: str | None) -> int:
@@ -74,7 +83,7 @@ class Relocation:
     image_dir: str = ""
     dst_image_dir: str = ""
     image_bytes: int = 0
-    transfer: str = "shared"  # shared | stream
+    transfer: TransferMode = TransferMode.SHARED
     reservation: str = ""  # the target's reservation (placement group name)
     src_reservation: str = ""
     faults: dict[str, Any] = field(default_factory=dict)
@@ -83,6 +92,9 @@ class Relocation:
     recovered: bool = False
     created_at: float = field(default_factory=time.time)
     finished_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.transfer = TransferMode(self.transfer)  # a stored or passed string; unknown: ValueError
 
     @staticmethod
     def new_id() -> str:
@@ -108,3 +120,4 @@ class Relocation:
                 "phases": self.phase_seconds(), "image_bytes": self.image_bytes,
                 "transfer": self.transfer, "rollback": self.rollback, "recovered": self.recovered,
                 "created_at": self.created_at, "finished_at": self.finished_at}
+

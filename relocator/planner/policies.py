@@ -24,6 +24,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from relocator.choices import Choice
 from relocator.planner.cluster import Cluster, Placement, PlannerError, Workload
 
 MAX_SPEC_CPU = 128_000.0
@@ -315,6 +316,11 @@ def policy_names() -> list[str]:
     return list(_REGISTRY)
 
 
+def policy_aliases() -> dict[str, str]:
+    """Other spellings canonical_policy_name accepts, with the name each stands for."""
+    return dict(_ALIASES)
+
+
 def canonical_policy_name(name: str) -> str:
     key = name.strip().lower()
     key = _ALIASES.get(key, key)
@@ -340,3 +346,18 @@ register_policy("best-fit", BestFitPolicy)
 register_policy("dot-product", DotProductPolicy)
 register_policy("fgd", FGDPolicy)
 
+
+class _PolicyChoice(Choice):
+    @classmethod
+    def _missing_(cls, value: object) -> Choice:
+        if isinstance(value, str):  # the names canonical_policy_name accepts
+            key = _ALIASES.get(value.strip().lower(), value.strip().lower())
+            if key != value and key in _REGISTRY:
+                return cls(key)
+        return super()._missing_(value)
+
+
+#: the registered placement policies as a typed choice (config, CLI, controller); the aliases
+#: above are accepted and become the canonical name
+PlacementPolicy = _PolicyChoice("PlacementPolicy", {n.replace("-", "_").upper(): n for n in _REGISTRY},
+                                module=__name__)

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import argparse
 
+from relocator.choices import LogLevel
+
+from .policies import RouterPolicy
+
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m relocator.router", description=__doc__)
@@ -18,8 +22,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--state-file", help="persist the routing table here and load it at start")
     ap.add_argument("--backend", "-b", action="append", default=[],
                     help="MODEL=URL or WORKER@MODEL=URL, repeatable")
-    ap.add_argument("--policy", help="round_robin | least_in_flight | affinity")
-    ap.add_argument("--log-level", default="warning", help="Python log level")
+    ap.add_argument("--policy", choices=RouterPolicy.values(), help="replica selection policy")
+    ap.add_argument("--log-level", default=LogLevel.WARNING.value, choices=LogLevel.values(),
+                    type=str.lower, help="Python log level")
     a = ap.parse_args(argv)
     from .config import RouterSettings, parse_backend
     from .server import run

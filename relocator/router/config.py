@@ -9,7 +9,13 @@ from typing import Any
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from .policies import POLICIES
+from relocator.choices import registry_choice
+
+from .engine import ENGINES
+from .policies import RouterPolicy
+
+#: the continuation engines the router knows (`engine:`), from engine.py's registry
+RouterEngine = registry_choice("RouterEngine", ENGINES, __name__)
 
 
 class BackendConfig(BaseModel):
@@ -37,9 +43,9 @@ class RouterSettings(BaseSettings):
     control_port: int = Field(8001, ge=0, le=65535)
     #: bearer token for the control API; unset = control API bound to loopback only
     control_token: str | None = None
-    policy: str = "least_in_flight"
+    policy: RouterPolicy = RouterPolicy.LEAST_IN_FLIGHT
     policy_args: dict[str, Any] = Field(default_factory=dict)
-    engine: str = "vllm"
+    engine: RouterEngine = RouterEngine.VLLM
     backends: list[BackendConfig] = Field(default_factory=list)
     hold_queue_max: int = Field(1024, ge=0)
     hold_timeout_s: float = Field(60.0, gt=0)
@@ -75,13 +81,6 @@ class RouterSettings(BaseSettings):
     #: while draining, a keep-alive connection idle this long is closed (busy ones are
     #: answered with `Connection: close`)
     drain_idle_close_s: float = Field(2.0, ge=0)
-
-    @field_validator("policy")
-    @classmethod
-    def _policy(cls, v: str) -> str:
-        if v not in POLICIES:
-            raise ValueError(f"unknown policy {v!r}; known: {sorted(POLICIES)}")
-        return v
 
     @model_validator(mode="after")
     def _loopback(self) -> "RouterSettings":

@@ -9,6 +9,8 @@ import hashlib
 import itertools
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from relocator.choices import registry_choice
+
 if TYPE_CHECKING:
     from .table import Replica
 
@@ -91,3 +93,7 @@ class Affinity(Policy):
             if r.in_flight - low <= self.max_imbalance:
                 return r
         return self._fallback.choose(replicas, None)
+
+
+#: the registered policies as a typed choice (router config, `relocator router serve --policy`)
+RouterPolicy = registry_choice("RouterPolicy", POLICIES, __name__)

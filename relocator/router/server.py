@@ -20,6 +20,8 @@ from typing import Any, AsyncIterator
 import aiohttp
 from aiohttp import web
 
+from relocator.choices import LogLevel
+
 from . import errors
 from .config import RouterSettings
 from .core import RouterCore, Stream, Unary, UpstreamError
@@ -514,7 +516,10 @@ class RouterServer:
         if not isinstance(ep, str) or not ep.startswith(("http://", "https://")):
             raise errors.bad_request("Missing or invalid 'endpoint' (http[s]://host:port).",
                                      param="endpoint")
-        info = self.table.switch(w, ep, release=bool(b.get("release", True)))
+        release = b.get("release", True)
+        if not isinstance(release, bool):  # "false" must not read as true
+            raise errors.bad_request(f"'release' must be true or false, not {release!r}.", param="release")
+        info = self.table.switch(w, ep, release=release)
         self.persist()
         return web.json_response(info)
 
@@ -537,7 +542,7 @@ async def serve_forever(settings: RouterSettings) -> None:
 
 def run(settings: RouterSettings, log_level: str = "warning") -> None:
     """The process entry (`relocator router serve`, `python -m relocator.router`)."""
-    logging.basicConfig(level=log_level.upper(),
+    logging.basicConfig(level=LogLevel(log_level.lower()).upper(),
                         format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
     try:
         import uvloop

@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from relocator.choices import Choice
 from relocator.planner.cluster import MILLI, Cluster, NodeSpec
 from relocator.planner.planners import apply_plan, defragment, plan_gain_milli, usable_gpu_milli
 from relocator.planner.policies import FGDPolicy, TypicalPods, canonical_policy_name, cluster_fragmentation_milli, get_policy
@@ -58,16 +59,24 @@ class SimResult:
         return d
 
 
+class ArrivalOrder(Choice):
+    """The order the trace's pods arrive in."""
+
+    SHUFFLE = "shuffle"  # sorted by name, then shuffled with the seed (the authors' runs)
+    SUBMISSION = "submission"  # by creation_time
+
+
 def build_workload(pods: Sequence[TracePod], seed: int, tune_ratio: float, capacity_milli: int, order: str = "shuffle") -> list[TracePod]:
     """Arrival sequence for one seed (steps 1-2 of the protocol)."""
     rng = np.random.default_rng(seed)
     by_name = sorted(pods, key=lambda p: p.workload.id)
-    if order == "shuffle":
+    mode = ArrivalOrder(order)  # unknown: ValueError naming the orders
+    if mode is ArrivalOrder.SHUFFLE:
         seq = [by_name[i] for i in rng.permutation(len(by_name))]
-    elif order == "submission":
+    elif mode is ArrivalOrder.SUBMISSION:
         seq = sorted(pods, key=lambda p: (p.creation_time, p.workload.id))
-    else:
-        raise ValueError(f"order must be 'shuffle' or 'submission', not {order!r}")
+    else:  # pragma: no cover - an order added to ArrivalOrder without its sequence
+        raise NotImplementedError(f"arrival order {mode}")
     if tune_ratio <= 0:
         return seq
     target = tune_ratio * capacity_milli

@@ -7,6 +7,7 @@ from relocator.snapshot.snapshot import (
     IncompatibleImage,
     RestoreTarget,
     SnapshotError,
+    VerifyMode,
     compatibility_report,
     dump,
     inspect_image,
@@ -16,5 +17,5 @@ from relocator.snapshot.snapshot import (
 
 __all__ = [
     "Fingerprint", "Image", "ImageError", "IncompatibleImage", "Manifest", "Mismatch",
-    "RestoreTarget", "SnapshotError", "compatibility_report", "dump", "inspect_image", "restore", "resume_source",
+    "RestoreTarget", "SnapshotError", "VerifyMode", "compatibility_report", "dump", "inspect_image", "restore", "resume_source",
 ]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from adapters.base import EngineFingerprint, get_adapter
+from relocator.choices import Choice
 from relocator.cell import netns
 from relocator.cell.cell import Cell, CellError, cells_dir, new_cell_id
 from relocator.worker import spec_from_dict
@@ -57,7 +58,12 @@ class Image:
         return self.manifest.total_bytes
 
 
-VERIFY_MODES = ("auto", "full", "none")
+class VerifyMode(Choice):
+    """How a restore checks the image's files (see `RestoreTarget`)."""
+
+    AUTO = "auto"
+    FULL = "full"
+    NONE = "none"
 
 
 @dataclass
@@ -71,8 +77,11 @@ class RestoreTarget:
     """
 
     fingerprint: Fingerprint | None = None
-    verify: str = "auto"
+    verify: VerifyMode = VerifyMode.AUTO
     cell_id: str | None = None
+
+    def __post_init__(self) -> None:
+        self.verify = VerifyMode(self.verify)  # unknown: ValueError naming the modes
 
 
 def _noop(_step: str, _frac: float | None) -> None:
@@ -206,9 +215,8 @@ def restore(image: Image | Path, target: RestoreTarget | None = None, progress: 
     manifest = read_manifest(path)  # (re)read: the files on disk are what gets restored
     image = Image(path=path, manifest=manifest)
     t0 = time.monotonic()
-    if target.verify not in VERIFY_MODES:
-        raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, not {target.verify!r}")
-    verified_by = {"full": "full", "none": "none"}.get(target.verify) or (
+    mode = VerifyMode(target.verify)
+    verified_by = {VerifyMode.FULL: "full", VerifyMode.NONE: "none"}.get(mode) or (
         "stamp" if stamp_is_fresh(image.path, manifest) else "full")
     if verified_by == "stamp":
         progress("checksums verified earlier on this host", None)
