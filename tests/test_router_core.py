@@ -114,6 +114,9 @@ def test_vllm_engine_scan_strip_and_continuation():
                                                 "temperature": 0, "stop": ["x"]}, [1, 2], [7, 8])
     assert path == "/v1/completions" and req["prompt"] == [1, 2, 7, 8]
     assert req["max_tokens"] == 8 and req["stop"] == ["x"] and "messages" not in req
+    _, req = e.continuation_request("completions", {"model": "m", "prompt": "p", "stop": ["x"]},
+                                    [1], [2], text_by_router=True)
+    assert "stop" not in req  # the router applies stop strings to the text it makes
     assert e.unsupported_reason("completions", {"n": 2}) is not None
     assert e.unsupported_reason("chat", {"tools": [{}]}) is not None
     assert e.unsupported_reason("completions", {"prompt": "x"}) is None
@@ -162,27 +165,89 @@ def test_settings_env_and_backend(monkeypatch, tmp_path):
         RouterSettings(policy="nope")
 
 
-def test_continuation_drops_the_context_the_engine_echoes_at_the_splice():
-    """vLLM primes its detokenizer with the continuation's prompt ids; when they end inside an
-    incomplete UTF-8 sequence its first delta re-emits the whole context text. The router
-    knows that text (/detokenize of prompt + sent ids) and cuts it off; other text is left."""
-    def cont_event(text: str) -> bytes:
-        return (b'data: {"id":"cmpl-9","object":"text_completion","created":7,"model":"m",'
-                b'"choices":[{"index":0,"text":' + json.dumps(text).encode() + b',"logprobs":null,'
-                b'"finish_reason":null,"stop_reason":null,"token_ids":[4]}]}\n\n')
+def _events(kind: str, prompt: list[int], body: dict) -> list[bytes]:
+    """The fake engine's stream (vLLM framing, vLLM's text making) for `prompt`."""
+    from relocator.router.fakeserver import FakeEngine, generate
 
-    def run(context: str, texts: list[str]) -> str:
-        st = StreamState(VLLMEngine(), "completions", {"model": "m", "prompt": "x", "max_tokens": 9},
-                         track=True, strip=True)
-        st.feed(b'data: {"id":"c","choices":[{"index":0,"text":" ab","logprobs":null,'
-                b'"finish_reason":null,"stop_reason":null,"prompt_token_ids":[1,2],"token_ids":[7]}]}\n\n')
-        st.begin_continuation("", context)
-        out = b"".join(st.feed(cont_event(t)) for t in texts).decode()
-        return "".join(json.loads(ev[6:])["choices"][0]["text"] for ev in out.split("\n\n")
-                       if ev.startswith("data: {"))
+    out, pieces, finish, reason = generate(prompt, body, body["max_tokens"])
+    evs = FakeEngine("m")._events(kind, "c-1", 5, prompt, out, pieces, finish, reason, True, body)
+    return [e.encode() for e in evs]
 
-    ctx = "the prompt ab\ufffd"  # the sent ids end inside a multi-byte character
-    assert run(ctx, ["the prompt ab\u00e9 next", " more"]) == "\u00e9 next more"
-    assert run(ctx, ["", "the prompt ab\u00e9", "the prompt ab"]) == "\u00e9the prompt ab"  # first text only
-    assert run(ctx, ["\u00e9 next"]) == "\u00e9 next"  # no echo: untouched
-    assert run("", ["the prompt ab"]) == "the prompt ab"
+
+def _client_text(kind: str, raw: bytes) -> str:
+    text = ""
+    for ev in raw.decode().split("\n\n"):
+        if ev.startswith("data: {"):
+            for c in json.loads(ev[6:]).get("choices") or ():
+                text += (c.get("delta") or {}).get("content") or "" if kind == "chat" else c["text"]
+    return text
+
+
+def _spliced(kind: str, body: dict, prompt: list[int], cut: int, tokenizer) -> tuple[str, str]:
+    """(uninterrupted text, client text when the stream breaks after `cut` events and is
+    continued on another engine)."""
+    e = VLLMEngine()
+    ref = _events(kind, prompt, body)
+    st = StreamState(e, kind, body, track=True, strip=True)
+    got = b"".join(st.feed(ev) for ev in ref[:cut])
+    if not st.finished:
+        path, req = e.continuation_request(kind, body, st.prompt_ids, st.sent_ids,
+                                           text_by_router=tokenizer is not None)
+        st.begin_continuation(tokenizer)
+        for ev in _events("completions", req["prompt"], req):
+            got += st.feed(ev)
+            if st.done:  # the router closes the upstream (its own stop-string cut)
+                break
+    return _client_text(kind, b"".join(ref)), _client_text(kind, got)
+
+
+def test_continued_text_is_made_from_ids_not_taken_from_the_engine():
+    """The engine that continues a stream primes its detokenizer with prompt + sent ids and
+    starts with an empty stop-string buffer: when the splice falls inside a multi-byte
+    character or inside text held back for a stop string, its text differs from the original
+    stream's. The router's text, made from ids with the original request's state, does not."""
+    from relocator.router.fakeserver import fake_tokenizer
+
+    tok = fake_tokenizer()
+    body = {"model": "m", "prompt": "x", "max_tokens": 60, "stream": True}
+    prompt = list(b"the prompt ")
+    ref_text = _events("completions", prompt, body)
+    damaged = 0
+    for cut in range(2, 40):
+        ref, got = _spliced("completions", body, prompt, cut, tok)
+        assert got == ref, cut
+        ref, engine = _spliced("completions", body, prompt, cut, None)
+        damaged += engine != ref
+    assert damaged > 0, "no splice fell inside a multi-byte character: the test shows nothing"
+    assert ref_text
+
+
+try:
+    from hypothesis import given, settings, strategies as hs
+except ImportError:  # pragma: no cover
+    given = None
+
+if given is not None:
+    @settings(max_examples=300, deadline=None)
+    @given(kind=hs.sampled_from(["completions", "chat"]),
+           prompt=hs.text(alphabet="abcdefgh éü中😀", min_size=1, max_size=12),
+           stop=hs.lists(hs.text(alphabet="abcdefghijklmnopqrstuvwxyzé中😀", min_size=1,
+                                 max_size=4), max_size=3),
+           include=hs.booleans(), min_tokens=hs.integers(0, 30), cut=hs.integers(1, 70),
+           max_tokens=hs.integers(1, 60))
+    def test_continued_text_equals_uninterrupted_text(kind, prompt, stop, include, min_tokens,
+                                                      cut, max_tokens):
+        """Hundreds of splices: multi-byte characters, stop strings held back across the
+        splice, min_tokens, include_stop_str_in_output; completions and chat."""
+        from relocator.router.fakeserver import fake_tokenizer
+
+        body = {"model": "m", "max_tokens": max_tokens, "stream": True, "stop": stop,
+                "include_stop_str_in_output": include, "min_tokens": min_tokens}
+        if kind == "chat":
+            body["messages"] = [{"role": "user", "content": prompt}]
+            ids = list(f"<user>{prompt}<assistant>".encode())
+        else:
+            body["prompt"] = prompt
+            ids = list(prompt.encode())
+        ref, got = _spliced(kind, body, ids, cut, fake_tokenizer())
+        assert got == ref

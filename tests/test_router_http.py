@@ -10,14 +10,14 @@ import pytest
 
 from relocator.router.client import ControlError, RouterControl, RouterControlSync
 from relocator.router.config import BackendConfig, RouterSettings
-from relocator.router.fakeserver import Knobs, start_fake
+from relocator.router.fakeserver import Knobs, start_fake, write_fake_tokenizer
 from relocator.router.server import RouterServer
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
 @pytest.fixture
-async def env():
+async def env(tmp_path):
     fakes = []
     runners = []
     for _ in range(2):
@@ -26,7 +26,8 @@ async def env():
         runners.append(runner)
     s = RouterSettings(port=0, control_port=0, hold_timeout_s=2.0, hold_queue_max=8,
                        max_body_bytes=10_000, policy="round_robin",
-                       backends=[BackendConfig(model="fake", url=fakes[0][1], worker_id="w1")])
+                       backends=[BackendConfig(model="fake", url=fakes[0][1], worker_id="w1",
+                                               tokenizer=str(write_fake_tokenizer(tmp_path)))])
     srv = await RouterServer(s).start()
     session = aiohttp.ClientSession()
     yield srv, fakes, session
@@ -178,10 +179,11 @@ async def test_continuation_impossible_gives_error_event(env):
 async def test_break_without_sibling_errors_cleanly(env):
     srv, fakes, s = env
     fakes[0][0].knobs.cut_after = 3
-    raw, got = await sse(s, srv.url + "/v1/completions", {
-        "model": "fake", "prompt": "a", "max_tokens": 10, "stream": True})
+    body = {"model": "fake", "prompt": "a", "max_tokens": 10, "stream": True}
+    raw, got = await sse(s, srv.url + "/v1/completions", body)
     # only w1 exists: the continuation goes back to w1 (the cut was one-shot) and completes
-    assert len(text_of(got)) == 10
+    _, ref = await sse(s, fakes[0][1] + "/v1/completions", body)
+    assert text_of(got) == text_of(ref) and len(ref) == 10
 
 
 async def test_hold_release_order_and_timeout(env):
@@ -311,11 +313,26 @@ async def test_openai_client(env):
     srv, fakes, s = env
     c = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x")
     r = await c.completions.create(model="fake", prompt="hey", max_tokens=6)
-    assert len(r.choices[0].text) == 6
-    st = await c.chat.completions.create(model="fake", messages=[{"role": "user", "content": "y"}],
-                                         max_tokens=6, stream=True)
+    _, ref = await sse(s, fakes[0][1] + "/v1/completions", {"model": "fake", "prompt": "hey",
+                                                            "max_tokens": 6, "stream": True})
+    assert r.choices[0].text == text_of(ref) and r.usage.completion_tokens == 6
+    msgs = [{"role": "user", "content": "y"}]
+    st = await c.chat.completions.create(model="fake", messages=msgs, max_tokens=6, stream=True)
     text = "".join([ch.choices[0].delta.content or "" async for ch in st if ch.choices])
-    assert len(text) == 6
+    _, ref = await sse(s, fakes[0][1] + "/v1/chat/completions", {
+        "model": "fake", "messages": msgs, "max_tokens": 6, "stream": True})
+    assert text == text_of(ref, "chat") and text
     with pytest.raises(openai.NotFoundError):
         await c.completions.create(model="nope", prompt="x")
     await c.close()
+
+
+async def test_control_add_checks_the_tokenizer_path(env, tmp_path):
+    srv, fakes, s = env
+    async with RouterControl(srv.control_url) as rc:
+        with pytest.raises(ControlError) as e:
+            await rc.add_replica("w3", "fake", fakes[1][1], tokenizer=str(tmp_path / "none"))
+        assert e.value.status == 400 and "tokenizer" in json.dumps(e.value.body)
+        assert "w3" not in json.dumps(await rc.replicas())
+        await rc.add_replica("w3", "other", fakes[1][1], tokenizer=str(tmp_path))
+    assert srv.tokenizers.load("other") is not None

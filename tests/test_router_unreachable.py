@@ -19,7 +19,7 @@ import pytest
 from relocator.router import errors
 from relocator.router import state as state_io
 from relocator.router.core import Hooks, RouterCore, Stream, Unary, UpstreamError
-from relocator.router.fakeserver import FakeEngine, next_token, token_text
+from relocator.router.fakeserver import FakeEngine, fake_tokenizer, generate, next_token
 from relocator.router.table import ReplicaState, RoutingTable
 
 ASYNC = pytest.mark.asyncio(loop_scope="session")
@@ -71,19 +71,16 @@ class FakeUpstream:
         self.posts.append((ep, b))
         if path.endswith("detokenize"):
             return _Resp(self, ep, [json.dumps(
-                {"prompt": "".join(token_text(t) for t in b["tokens"])}).encode()], None)
+                {"prompt": fake_tokenizer().decode(b["tokens"])}).encode()], None)
         kind = "chat" if path.startswith("chat") else "completions"
         p = b.get("prompt")
         prompt = list(p) if isinstance(p, list) else list(str(p).encode())
-        ids, out = list(prompt), []
-        for _ in range(b.get("max_tokens") or 16):
-            ids.append(next_token(ids))
-            out.append(ids[-1])
-        text = "".join(token_text(t) for t in out)
+        out, pieces, finish, reason = generate(prompt, b, b.get("max_tokens") or 16)
+        text = "".join(pieces)
         if not b.get("stream"):
             return _Resp(self, ep, [json.dumps({"object": "text_completion", "choices": [
                 {"index": 0, "text": text}]}).encode()], None)
-        evs = FakeEngine("m")._events(kind, "cmpl-x", 1, prompt, out, text, "length", None,
+        evs = FakeEngine("m")._events(kind, "cmpl-x", 1, prompt, out, pieces, finish, reason,
                                       b.get("return_token_ids") is True, b)
         return _Resp(self, ep, [e.encode() for e in evs], self.die_after.pop(ep, None))
 

@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 from relocator.agent.agent import NAMESPACE, agent_name
-from relocator.controller.model import WorkerRecord
+from relocator.controller.model import WorkerRecord, tokenizer_of
 
 if TYPE_CHECKING:
     from relocator.controller.controller import Controller
@@ -128,7 +128,7 @@ class RayBackend:
             w = self.ctl.store.worker(worker_id)
             if exc.status != 404 or w is None:
                 raise
-            rc.add_replica(worker_id, w.model, endpoint or w.endpoint)
+            rc.add_replica(worker_id, w.model, endpoint or w.endpoint, tokenizer_of(w))
             return fn(rc)
 
     def hold(self, worker_id: str) -> None:

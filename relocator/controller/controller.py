@@ -21,7 +21,7 @@ from relocator.agent.agent import NAMESPACE, start_agent
 from relocator.controller.backend import NodeLost, RayBackend
 from relocator.controller.inventory import NodeInfo, best_fit, ray_nodes
 from relocator.controller.machine import Machine, PhaseFault, check_faults
-from relocator.controller.model import RUNNING, Relocation, TransferMode, WorkerRecord
+from relocator.controller.model import RUNNING, Relocation, TransferMode, WorkerRecord, tokenizer_of
 from relocator.controller.store import Store
 
 CONTROLLER_NAME = "relocator-controller"
@@ -297,7 +297,7 @@ class Controller:
                     cur = self.store.worker(w.id)
                     if w.id in self._busy or cur is None or cur.state != "running" or cur.endpoint != w.endpoint:
                         continue
-                    rc.add_replica(w.id, w.model, w.endpoint)
+                    rc.add_replica(w.id, w.model, w.endpoint, tokenizer_of(w))
                     log.warning("router: re-registered %s at %s", w.id, w.endpoint)
 
     def update_reservations(self) -> None:
@@ -357,7 +357,7 @@ class Controller:
             info = self.backend.call(node, "launch", w.cell_id, model_dir, served, 8000)
             w.launch_s = round(time.monotonic() - t0, 3)
             w.endpoint = info["endpoint"]
-            self.router().add_replica(wid, served, w.endpoint)
+            self.router().add_replica(wid, served, w.endpoint, tokenizer_of(w))
             w.state = "running"
             self.store.save_worker(w)
             return {**w.to_dict(), "ready_s": info["ready_s"]}

@@ -121,3 +121,12 @@ class Relocation:
                 "transfer": self.transfer, "rollback": self.rollback, "recovered": self.recovered,
                 "created_at": self.created_at, "finished_at": self.finished_at}
 
+
+def tokenizer_of(w: WorkerRecord) -> str | None:
+    """The worker's tokenizer for the router (text-exact continued streams), if its model
+    directory has one."""
+    from pathlib import Path
+
+    if w.model_dir and (Path(w.model_dir) / "tokenizer.json").is_file():
+        return w.model_dir
+    return None

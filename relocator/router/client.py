@@ -20,6 +20,13 @@ class ControlError(Exception):
         self.body = body
 
 
+def _add_body(worker_id: str, model: str, url: str, tokenizer: str | None) -> dict:
+    body = {"worker_id": worker_id, "model": model, "url": url}
+    if tokenizer:
+        body["tokenizer"] = tokenizer  # the model's tokenizer, for text-exact continuation
+    return body
+
+
 def _paths(worker: str | None = None) -> dict[str, str]:
     from urllib.parse import quote
 
@@ -64,9 +71,10 @@ class RouterControl:
     async def replicas(self) -> dict:
         return await self._call("GET", _paths()["replicas"])
 
-    async def add_replica(self, worker_id: str, model: str, url: str) -> dict:
+    async def add_replica(self, worker_id: str, model: str, url: str,
+                          tokenizer: str | None = None) -> dict:
         return await self._call("POST", _paths()["replicas"],
-                                {"worker_id": worker_id, "model": model, "url": url})
+                                _add_body(worker_id, model, url, tokenizer))
 
     async def remove_replica(self, worker_id: str) -> dict:
         return await self._call("DELETE", _paths(worker_id)["replica"])
@@ -110,9 +118,10 @@ class RouterControlSync:
     def replicas(self) -> dict:
         return self._call("GET", _paths()["replicas"])
 
-    def add_replica(self, worker_id: str, model: str, url: str) -> dict:
+    def add_replica(self, worker_id: str, model: str, url: str,
+                    tokenizer: str | None = None) -> dict:
         return self._call("POST", _paths()["replicas"],
-                          {"worker_id": worker_id, "model": model, "url": url})
+                          _add_body(worker_id, model, url, tokenizer))
 
     def remove_replica(self, worker_id: str) -> dict:
         return self._call("DELETE", _paths(worker_id)["replica"])

@@ -22,6 +22,9 @@ class BackendConfig(BaseModel):
     model: str
     url: str
     worker_id: str | None = None
+    #: the model's tokenizer (its directory, holding tokenizer.json, or the file): the router
+    #: makes the text of continued streams from token ids with it; unset = engine's text
+    tokenizer: str | None = None
 
     @field_validator("url")
     @classmethod

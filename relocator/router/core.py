@@ -19,6 +19,7 @@ from typing import AsyncIterator, Awaitable, Callable, Mapping, Protocol
 from . import errors
 from .engine import ContinuationEngine, Kind, VLLMEngine
 from .errors import RouterError
+from .outtext import TokenizerRegistry
 from .stream import DONE, StreamState
 from .table import Replica, ReplicaState, RoutingTable, StreamHandle
 
@@ -76,6 +77,7 @@ class Hooks:
     def ttfb(self, seconds: float) -> None: ...
     def in_flight(self, worker: str, delta: int) -> None: ...
     def continued(self, outcome: str) -> None: ...
+    def splice(self, at: str) -> None: ...
     def retried(self) -> None: ...
     def suspect_hold(self, worker: str) -> None: ...
     def suspect_end(self, worker: str, outcome: str) -> None: ...
@@ -108,8 +110,12 @@ class RouterCore:
                  engine: ContinuationEngine | None = None, max_body_bytes: int = 4 << 20,
                  retries: int = 2, max_continuations: int = 8, continuation: bool = True,
                  hooks: Hooks | None = None, unreachable_hold_s: float = 0.0,
-                 probe: Probe | None = None, probe_interval_s: float = 0.5) -> None:
+                 probe: Probe | None = None, probe_interval_s: float = 0.5,
+                 tokenizers: TokenizerRegistry | None = None) -> None:
         self.table = table
+        #: per model: the tokenizer continued streams' text is made with
+        self.tokenizers = tokenizers if tokenizers is not None else TokenizerRegistry()
+        self._tokenizer_checked: set[str] = set()
         self.upstream = upstream
         self.engine = engine or VLLMEngine()
         self.max_body_bytes = max_body_bytes
@@ -411,8 +417,11 @@ class RouterCore:
                     f"Continuation request refused by {r.worker_id}: {resp.status} {detail}")
                 self._leave(r, handle)
                 raise return_err
-            if outcome != "retry":
-                st.begin_continuation(getattr(st, "_withheld", ""), getattr(st, "_context", ""))
+            if outcome == "retry":
+                st.restart()
+            else:
+                st.begin_continuation(getattr(st, "_tokenizer", None))
+                self.hooks.splice(st.splice_at)
             return r, handle, resp
         raise errors.continuation_failed(f"No replica of `{model}` could continue the stream: "
                                          f"{last}")
@@ -496,12 +505,29 @@ class RouterCore:
             raise errors.continuation_failed("The stream broke before the engine reported the "
                                              "prompt's token ids.")
         sent = st.sent_ids
-        st._withheld = ""
-        if st.stops and st.legs == 0:
-            st._withheld = await self._withheld_text(st, r, model, sent)
-        # the text the engine may echo at the splice (StreamState.begin_continuation)
-        st._context = (await self._detokenize(r, model, prompt + sent) or "") if sent else ""
-        return self.engine.continuation_request(st.kind, st.body, prompt, sent)
+        if st.legs == 0:
+            st._tokenizer = await self._tokenizer(r, model, sent)  # type: ignore[attr-defined]
+        by_router = st.text is not None or getattr(st, "_tokenizer", None) is not None
+        return self.engine.continuation_request(st.kind, st.body, prompt, sent,
+                                                text_by_router=by_router)
+
+    async def _tokenizer(self, r: Replica, model: str, sample: list[int]):
+        """The model's tokenizer for continued text, checked once against the engine's own
+        detokenizer on `sample` (a tokenizer that decodes otherwise is not used); None: the
+        continuation carries the engine's text."""
+        tok = self.tokenizers.load(model)
+        if tok is None or model in self._tokenizer_checked or not sample:
+            return tok
+        engine_text = await self._detokenize(r, model, sample)
+        if engine_text is None:
+            return tok  # the engine cannot say; trust the configured tokenizer
+        ours = tok.decode(sample, skip_special_tokens=False)
+        if ours != engine_text:
+            self.tokenizers.distrust(model, f"{len(sample)} ids decode to {ours[:40]!r}... here, "
+                                            f"{engine_text[:40]!r}... on {r.worker_id}")
+            return None
+        self._tokenizer_checked.add(model)
+        return tok
 
     async def _detokenize(self, r: Replica, model: str, ids: list[int]) -> str | None:
         """The text of `ids` from `r`'s detokenizer; None if unsupported or it failed."""
@@ -511,22 +537,14 @@ class RouterCore:
         try:
             resp = await self.upstream.post(r.endpoint + req[0], json.dumps(req[1]).encode())
             try:
+                if resp.status != 200:
+                    return None
                 return self.engine.parse_detokenize(json.loads(await resp.read()))
             finally:
                 resp.close()
         except Exception as e:  # pragma: no cover - best effort
             log.warning("detokenize failed on %s: %s", r.worker_id, e)
             return None
-
-    async def _withheld_text(self, st: StreamState, r: Replica, model: str,
-                             sent: list[int]) -> str:
-        """Text of sent tokens that the engine held back (it buffers text that might start a
-        stop string); asked from the new replica's detokenizer."""
-        full = await self._detokenize(r, model, sent)
-        if full is None:
-            return ""
-        sent_text = "".join(st.sent_text)
-        return full[len(sent_text):] if full.startswith(sent_text) else ""
 
     def models_body(self) -> bytes:
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "relocator",

@@ -67,8 +67,11 @@ class ContinuationEngine:
         raise NotImplementedError
 
     def continuation_request(self, kind: Kind, body: dict, prompt_ids: list[int],
-                             sent_ids: list[int]) -> tuple[str, dict]:
-        """(path, JSON body) of a streaming request that generates what follows `sent_ids`."""
+                             sent_ids: list[int], *, text_by_router: bool = False
+                             ) -> tuple[str, dict]:
+        """(path, JSON body) of a streaming request that generates what follows `sent_ids`.
+        `text_by_router`: the router makes the text and applies stop strings itself, so the
+        engine gets none (its text of a continuation is not the original's)."""
         raise NotImplementedError
 
     def parse_chunk(self, obj: dict) -> Delta:
@@ -155,7 +158,8 @@ class VLLMEngine(ContinuationEngine):
         return s
 
     def continuation_request(self, kind: Kind, body: dict, prompt_ids: list[int],
-                             sent_ids: list[int]) -> tuple[str, dict]:
+                             sent_ids: list[int], *, text_by_router: bool = False
+                             ) -> tuple[str, dict]:
         if kind == "completions":
             req = dict(body)
             for k in ("echo", "prompt_logprobs", "suffix"):
@@ -168,6 +172,8 @@ class VLLMEngine(ContinuationEngine):
             mt = body.get("max_completion_tokens", body.get("max_tokens"))
             if mt is not None:
                 req["max_tokens"] = mt
+        if text_by_router:
+            req.pop("stop", None)
         req["prompt"] = list(prompt_ids) + list(sent_ids)
         req["stream"] = True
         req["return_token_ids"] = True

@@ -2,10 +2,13 @@
 as vLLM 0.32 does (`return_token_ids`, usage chunks, `data: [DONE]`). Used by the router's
 HTTP tests and as the benchmark backend.
 
-Its "model" is greedy and deterministic: the prompt's ids are its UTF-8 bytes (chat: a tiny
-template around the messages), the next token is a function of the last two ids, and a token's
-text is one letter. So a continuation from prompt+sent ids yields exactly what an
-uninterrupted run would. Knobs (`cut_after`, `stall_after`, `token_delay_s`, `fail_status`)
+Its "model" is greedy and deterministic: token ids are bytes (a byte-level tokenizer, see
+`fake_tokenizer`), the prompt's ids are its UTF-8 bytes (chat: a tiny template around the
+messages), and the next token is a function of the ids before it: mostly ASCII letters, now and
+then a multi-byte character spread over 2-4 tokens, as real byte-level BPE models emit CJK text
+and emoji. Its text is made the way vLLM makes it (`OutputText`: incremental detokenizer, stop
+strings held back and cut). So a continuation from prompt+sent ids yields exactly the ids an
+uninterrupted run would, and its own text shows what vLLM's does at a splice. Knobs (`cut_after`, `stall_after`, `token_delay_s`, `fail_status`)
 let tests break a stream the way a dying or frozen worker does.
 
     python -m relocator.router.fakeserver --port 9000 --model fake
@@ -19,21 +22,81 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
+from .outtext import OutputText, TextParams
+
 EOS = 2
+#: characters the fake model spreads over several tokens (2, 3 and 4 UTF-8 bytes)
+_MULTI_BYTE = ("é".encode(), "中".encode(), "😀".encode())
 
 
 def next_token(ids: list[int]) -> int:
+    for ch in _MULTI_BYTE:  # finish a multi-byte character first
+        for k in range(len(ch) - 1, 0, -1):
+            if ids[-k:] == list(ch[:k]):
+                return ch[k]
     a = ids[-1] if ids else 1
     b = ids[-2] if len(ids) > 1 else 3
-    return (a * 31 + b * 17 + 7) % 250 + 3  # never EOS
+    v = (a * 31 + b * 17 + 7) % 250
+    if v % 9 == 0:
+        return _MULTI_BYTE[v % 3][0]
+    return 97 + v % 26  # never EOS
 
 
-def token_text(t: int) -> str:
-    return chr(97 + t % 26)
+_TOKENIZER: Any = None
+
+
+def fake_tokenizer() -> Any:
+    """A byte-level tokenizer (`tokenizers`): id i is byte i, decoded as vLLM decodes."""
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda c: _byte_of(c))
+        tok = Tokenizer(models.BPE(vocab={c: _byte_of(c) for c in alphabet}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        _TOKENIZER = tok
+    return _TOKENIZER
+
+
+def _byte_of(c: str) -> int:
+    """The byte a ByteLevel alphabet character stands for (GPT-2's bytes_to_unicode)."""
+    o = ord(c)
+    if 33 <= o <= 126 or 161 <= o <= 172 or 174 <= o <= 255:
+        return o
+    low = [b for b in range(256) if not (33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255)]
+    return low[o - 256]
+
+
+def write_fake_tokenizer(directory: str | Path) -> Path:
+    """Save the fake model's tokenizer as `directory`/tokenizer.json (for the router)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    fake_tokenizer().save(str(d / "tokenizer.json"))
+    return d
+
+
+def generate(prompt: list[int], body: dict, max_tokens: int) -> tuple[list[int], list[str], str,
+                                                                       Any]:
+    """(ids, text of each step, finish_reason, stop_reason), one token per step."""
+    text = OutputText(fake_tokenizer(), prompt, TextParams.from_body(body))
+    ids = list(prompt)
+    pieces: list[str] = []
+    finish, stop_reason = "length", None
+    for i in range(max_tokens):
+        ids.append(next_token(ids))
+        stop = text.update([ids[-1]], False)
+        last = stop is not None or i == max_tokens - 1
+        pieces.append(text.next_text(last))
+        if stop is not None:
+            finish, stop_reason = "stop", stop
+            break
+    return text.token_ids, pieces, finish, stop_reason
 
 
 def _dumps(o: Any) -> str:
@@ -80,7 +143,7 @@ class FakeEngine:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         b = await request.json()
-        return web.json_response({"prompt": "".join(token_text(t) for t in b["tokens"])})
+        return web.json_response({"prompt": fake_tokenizer().decode(b["tokens"])})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "completions")
@@ -108,24 +171,8 @@ class FakeEngine:
             p = body.get("prompt")
             prompt = list(p) if isinstance(p, list) else list(str(p).encode())
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or k.tokens
-        stops = body.get("stop") or []
-        if isinstance(stops, str):
-            stops = [stops]
-        ids = list(prompt)
-        out: list[int] = []
-        text = ""
-        finish = "length"
-        stop_reason = None
-        for _ in range(max_tokens):
-            t = next_token(ids)
-            ids.append(t)
-            out.append(t)
-            text += token_text(t)
-            hit = next((s for s in stops if s and s in text), None)
-            if hit:
-                text = text[:text.index(hit)]
-                finish, stop_reason = "stop", hit
-                break
+        out, pieces, finish, stop_reason = generate(prompt, body, max_tokens)
+        text = "".join(pieces)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:16]
         created = int(time.time())
         want_ids = body.get("return_token_ids") is True
@@ -148,7 +195,7 @@ class FakeEngine:
             if k.token_delay_s:
                 await asyncio.sleep(k.token_delay_s * len(out))
             return web.Response(text=_dumps(obj), content_type="application/json")
-        events = self._events(kind, rid, created, prompt, out, text, finish, stop_reason,
+        events = self._events(kind, rid, created, prompt, out, pieces, finish, stop_reason,
                               want_ids, body)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
@@ -177,11 +224,11 @@ class FakeEngine:
         return resp
 
     def _events(self, kind: str, rid: str, created: int, prompt: list[int], out: list[int],
-                text: str, finish: str, stop_reason: Any, want_ids: bool, body: dict) -> list[str]:
+                pieces: list[str], finish: str, stop_reason: Any, want_ids: bool,
+                body: dict) -> list[str]:
         head = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else
                 "text_completion", "created": created, "model": self.model}
         evs = []
-        n = len(text)
         if kind == "chat":
             first = dict(head, choices=[{"index": 0, "delta": {"role": "assistant",
                                                                 "content": ""},
@@ -190,8 +237,10 @@ class FakeEngine:
             evs.append(first)
         for i, t in enumerate(out):
             last = i == len(out) - 1
-            piece = text[i] if i < n else ""
+            piece = pieces[i] if i < len(pieces) else ""
             fr = finish if last else None
+            if kind == "chat" and not piece and not last and not want_ids:
+                continue  # as vLLM: no chat chunk for a step without text
             if kind == "chat":
                 c: dict[str, Any] = {"index": 0, "delta": {"content": piece} if piece else {},
                                      "logprobs": None, "finish_reason": fr}

@@ -24,6 +24,11 @@ class PromHooks(Hooks):
         self.cont = Counter("relocator_router_continued_streams",
                             "Streams continued after a break, by outcome", ["outcome"],
                             registry=r)
+        self.splices = Counter("relocator_router_splices",
+                               "Continued legs by where the splice fell: inside a character "
+                               "(char), inside text held back for a stop string (stop_buffer), "
+                               "clean, or engine_text (no tokenizer: the engine's text is sent)",
+                               ["at"], registry=r)
         self.retries = Counter("relocator_router_retries",
                                "Upstream attempts retried before the first byte", registry=r)
         self.suspects = Counter("relocator_router_suspect_holds",
@@ -47,6 +52,9 @@ class PromHooks(Hooks):
 
     def continued(self, outcome: str) -> None:
         self.cont.labels(outcome).inc()
+
+    def splice(self, at: str) -> None:
+        self.splices.labels(at).inc()
 
     def retried(self) -> None:
         self.retries.inc()

@@ -31,6 +31,7 @@ from .metrics import PromHooks
 from .policies import make_policy
 from .table import RoutingTable
 from . import state as state_io
+from .outtext import TokenizerRegistry
 
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
@@ -160,13 +161,19 @@ class RouterServer:
                                   hold_queue_max=s.hold_queue_max,
                                   hold_timeout_s=s.hold_timeout_s,
                                   prefer_sibling_when_held=s.prefer_sibling_when_held)
+        #: per model, the tokenizer continued streams' text is made with
+        self.tokenizers = TokenizerRegistry()
         for i, b in enumerate(s.backends):
             self.table.add(b.worker_id or f"{b.model}-{i}", b.model, b.url)
+            if b.tokenizer:
+                self.tokenizers.register(b.model, b.tokenizer)
         if s.state_file is not None:  # newer than the config: it wins
             reps = state_io.load(s.state_file)
             if reps:
                 log.info("router state: %d replicas from %s",
                          state_io.restore(self.table, reps), s.state_file)
+                for model, path in state_io.tokenizers_of(reps).items():
+                    self.tokenizers.register(model, path)
         self.hooks = PromHooks()
         self.table.on_held_change = self.hooks.held_changed
         self.upstream: AiohttpUpstream | None = None
@@ -191,7 +198,7 @@ class RouterServer:
                                max_continuations=s.max_continuations,
                                continuation=s.continuation, hooks=self.hooks,
                                unreachable_hold_s=s.unreachable_hold_s,
-                               probe=self.upstream.health)
+                               probe=self.upstream.health, tokenizers=self.tokenizers)
         api = web.Application(middlewares=[self._drain_mw, _openai_errors],
                               client_max_size=s.max_body_bytes + 1)
         api.router.add_post("/v1/completions", self._completions)
@@ -253,7 +260,7 @@ class RouterServer:
         if path is None:
             return
         try:
-            state_io.save(path, self.table)
+            state_io.save(path, self.table, self.tokenizers.paths)
         except OSError as e:
             log.warning("router state %s not written: %s", path, e)
 
@@ -492,10 +499,20 @@ class RouterServer:
                                          code="missing_required_parameter", param=k)
         if not b["url"].startswith(("http://", "https://")):
             raise errors.bad_request("url must start with http:// or https://", param="url")
+        tok = b.get("tokenizer")
+        if tok is not None:
+            why = (TokenizerRegistry.check_path(tok) if isinstance(tok, str) and tok
+                   else "tokenizer must be a path")
+            if why:
+                raise errors.bad_request(f"tokenizer: {why}", param="tokenizer")
         try:
             r = self.table.add(b["worker_id"], b["model"], b["url"])
         except ValueError as e:
             raise RouterError(409, str(e), code="conflict") from None
+        if tok:
+            self.tokenizers.register(b["model"], tok)
+            # loaded now, off the event loop, not at the first splice
+            await asyncio.to_thread(self.tokenizers.load, b["model"])
         self.persist()
         return web.json_response(r.info())
 

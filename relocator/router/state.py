@@ -22,22 +22,30 @@ log = logging.getLogger(__name__)
 VERSION = 1
 
 
-def dump(table: RoutingTable) -> dict[str, Any]:
+def dump(table: RoutingTable, tokenizers: dict[str, str] | None = None) -> dict[str, Any]:
+    """`tokenizers`: {model: tokenizer path}, kept with each replica of the model."""
+    tokenizers = tokenizers or {}
     return {"version": VERSION, "written_at": time.time(), "pid": os.getpid(),
             "replicas": [{"worker_id": r.worker_id, "model": r.model, "endpoint": r.endpoint,
                           "held": r.state is ReplicaState.HELD and not r.suspect,
-                          "generation": r.generation}
+                          "generation": r.generation,
+                          **({"tokenizer": tokenizers[r.model]} if r.model in tokenizers else {})}
                          for r in table.replicas()]}
 
 
-def save(path: str | Path, table: RoutingTable) -> None:
+def save(path: str | Path, table: RoutingTable, tokenizers: dict[str, str] | None = None) -> None:
     """Atomic: a reader sees the old file or the new one, never a torn one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
-        json.dump(dump(table), f, separators=(",", ":"))
+        json.dump(dump(table, tokenizers), f, separators=(",", ":"))
     os.replace(tmp, path)
+
+
+def tokenizers_of(replicas: list[dict]) -> dict[str, str]:
+    """{model: tokenizer path} recorded in `load`'s result."""
+    return {e["model"]: e["tokenizer"] for e in replicas if isinstance(e.get("tokenizer"), str)}
 
 
 def _valid(e: Any) -> bool:

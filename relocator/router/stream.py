@@ -4,16 +4,19 @@ Normal path (`feed` before any break): complete SSE events pass through as bytes
 regex pass records token ids (and strips them if only the router asked for them).
 After a break (`begin_continuation`): each event of the continuation is parsed and
 re-emitted in the client's original shape (same id, object, created, model; chat chunks
-stay chat chunks), usage counts are rewritten to cover the whole request, and stop strings
-that straddle the splice are enforced by the router."""
+stay chat chunks), usage counts are rewritten to cover the whole request. The text of every
+continued chunk is made here from its token ids (`OutputText`: the original request's
+detokenizer and stop strings, replayed), not taken from the engine, so the client's text is the
+text of an uninterrupted run whatever the splice cut (a multi-byte character, a held-back stop
+string prefix)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
 from .engine import ContinuationEngine, Delta, Kind, dumps, parse_ids
+from .outtext import OutputText, TextParams
 
 DONE = b"data: [DONE]\n\n"
 
@@ -35,30 +38,26 @@ class StreamState:
         self.finished = False  # a finish_reason was forwarded
         self.done = False  # [DONE] forwarded
         self.legs = 0
-        stop = body.get("stop")
-        if isinstance(stop, str):
-            stop = [stop]
-        self.stops: list[str] = [s for s in (stop or []) if s] if not body.get(
-            "include_stop_str_in_output") else []
-        self.track_text = track and bool(self.stops)
-        self.sent_text: list[str] = []
         so = body.get("stream_options") or {}
         self.include_usage = bool(so.get("include_usage"))
         self.continuous_usage = bool(so.get("continuous_usage_stats"))
+        #: completions logprobs: text offsets of a continued leg are shifted by what came before
+        self.track_offsets = track and kind == "completions" and body.get("logprobs") is not None
+        self.next_text_offset = 0
+        self.leg_offset = 0
         # continuation state
         self.cont = False
-        self.cut = False  # router ended the stream at a stop string spanning the splice
+        self.cut = False  # the router ended the stream at a stop string
         self.tmpl: dict[str, Any] = {}
         self.prompt_len = 0
         self.emitted_ids = 0
-        self.span_open = False
-        self.span_tail = ""
-        self.span_boundary = 0
-        self.pending_text = ""
-        self.pending_ids: list[int] = []
+        #: the original request's output text, replayed; None: the engine's text is forwarded
+        self.text: OutputText | None = None
+        self.text_exact = False
+        #: where the last splice fell (OutputText.held_back; "engine_text": no tokenizer)
+        self.splice_at = ""
         self.wants_ids = engine.client_wants_token_ids(body)
         self.usage_sent = False
-        self.context_echo = ""
 
     # ------------------------------------------------------------------ normal path
     def feed(self, data: bytes) -> bytes:
@@ -83,8 +82,8 @@ class StreamState:
                 self.prompt_raw = prompt
             if outs:
                 self.out_raw.extend(outs)
-            if self.track_text:
-                self._record_text(data)
+            if self.track_offsets:
+                self._record_offsets(data)
             if self.strip:
                 data = self.engine.strip(data)
         if b'"finish_reason":"' in data:
@@ -95,19 +94,31 @@ class StreamState:
             self.sent_any = True
         return data
 
-    def _record_text(self, data: bytes) -> None:
+    def _record_offsets(self, data: bytes) -> None:
+        """Where the next token's logprobs text offset starts (vLLM: the previous offset plus
+        the previous token's length)."""
         for ev in data.split(b"\n\n"):
-            if not ev.startswith(b"data: {"):
+            if not ev.startswith(b"data: {") or b'"text_offset"' not in ev:
                 continue
             try:
                 obj = json.loads(ev[6:])
             except ValueError:
                 continue
             for c in obj.get("choices") or ():
-                t = c.get("text") if self.kind == "completions" else (c.get("delta") or {}).get(
-                    "content")
-                if t:
-                    self.sent_text.append(t)
+                lp = c.get("logprobs") or {}
+                offs, toks = lp.get("text_offset"), lp.get("tokens")
+                if offs and toks:
+                    self.next_text_offset = offs[-1] + len(toks[-1])
+
+    def restart(self) -> None:
+        """The upstream broke before anything reached the client: the request is sent again
+        from the start, so nothing of the broken attempt (a partial event) may remain."""
+        assert not self.sent_any
+        self.buf = b""
+        self.first_event = None
+        self.prompt_raw = None
+        self.out_raw = []
+        self.next_text_offset = 0
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -134,28 +145,24 @@ class StreamState:
         return out + DONE
 
     # ------------------------------------------------------------------ continuation
-    def begin_continuation(self, withheld: str = "", context: str = "") -> None:
-        """`context`: the text of the continuation's whole prompt (original prompt + ids sent).
-        vLLM primes its incremental detokenizer with those ids; when they end inside an
-        incomplete UTF-8 sequence its first delta re-emits that whole text before the new one:
-        it is cut off again (see _on_delta)."""
+    def begin_continuation(self, tokenizer: Any | None = None) -> None:
+        """The next events come from a continuation request. `tokenizer` (first leg only): the
+        model's tokenizer, to make the text from ids; None: forward the engine's text."""
         self._ensure_tmpl()
-        echo = context.rstrip("\ufffd")
-        self.context_echo = echo if len(echo) >= 4 else ""
         self.cont = True
         self.legs += 1
         self.buf = b""
         if self.legs == 1:
-            self.prompt_len = len(self.prompt_ids or ())
-            self.emitted_ids = len(self.sent_ids)
-        if self.stops and (withheld or True):
-            longest = max(len(s) for s in self.stops)
-            sent = "".join(self.sent_text)
-            self.span_tail = sent[-(longest - 1):] if longest > 1 else ""
-            self.pending_text = withheld
-            self.pending_ids = []
-            self.span_boundary = len(self.span_tail) + len(withheld)
-            self.span_open = longest > 1 or bool(withheld)
+            prompt = self.prompt_ids or []
+            self.prompt_len = len(prompt)
+            sent = self.sent_ids
+            self.emitted_ids = len(sent)
+            if tokenizer is not None and self.body.get("detokenize", True) is not False:
+                self.text = OutputText(tokenizer, prompt, TextParams.from_body(self.body))
+                self.text.replay(sent)
+                self.text_exact = True
+        self.leg_offset = self.next_text_offset
+        self.splice_at = self.text.held_back() if self.text is not None else "engine_text"
 
     def _ensure_tmpl(self) -> None:
         if self.tmpl:
@@ -190,8 +197,6 @@ class StreamState:
                 continue
             payload = ev[5:].strip()
             if payload == b"[DONE]":
-                if self.span_open:
-                    out.append(self._flush_pending(None, None, None))
                 if self.include_usage and not self.usage_sent:
                     out.append(self._usage_event(None))
                 out.append(DONE)
@@ -207,8 +212,6 @@ class StreamState:
                 continue
             if d.usage_only:
                 if self.include_usage:
-                    if self.span_open:
-                        out.append(self._flush_pending(None, None, None))
                     out.append(self._usage_event(d.usage))
                 continue
             out.append(self._on_delta(d))
@@ -223,47 +226,44 @@ class StreamState:
         return b"".join(out)
 
     def _on_delta(self, d: Delta) -> bytes:
-        if self.context_echo and d.text:  # only the first delta with text can carry the echo
-            if d.text.startswith(self.context_echo):
-                d = dataclasses.replace(d, text=d.text[len(self.context_echo):])
-            self.context_echo = ""
-        if self.track_text and d.text:
-            self.sent_text.append(d.text)
-        if not self.span_open:
-            self.note_sent_ids(d.token_ids)
-            if d.finish_reason:
-                self.finished = True
-            return self._chunk(d.text, d.token_ids, d.finish_reason, d.stop_reason, d.logprobs,
-                               d.usage)
-        self.pending_text += d.text
-        self.pending_ids.extend(d.token_ids)
-        hay = self.span_tail + self.pending_text
-        best = None
-        for s in self.stops:
-            i = hay.find(s)
-            if 0 <= i < self.span_boundary and (best is None or i < best[0]):
-                best = (i, s)
-        if best is not None:  # a stop string straddles the splice: end here
-            cut_at = max(0, best[0] - len(self.span_tail))
-            self.pending_text = self.pending_text[:cut_at]
-            self.cut = True
-            return self._flush_pending("stop", best[1], None)
-        longest = max(len(s) for s in self.stops) if self.stops else 1
-        if d.finish_reason or len(self.pending_text) >= self.span_boundary - len(
-                self.span_tail) + longest - 1:
-            return self._flush_pending(d.finish_reason, d.stop_reason, d.usage)
-        return b""
-
-    def _flush_pending(self, finish: str | None, stop_reason: Any, usage: dict | None) -> bytes:
-        self.span_open = False
-        text, ids = self.pending_text, self.pending_ids
-        self.pending_text, self.pending_ids = "", []
+        finish, reason = d.finish_reason, d.stop_reason
+        if self.text is None:  # no tokenizer: the engine's own text
+            ids, text = d.token_ids, d.text
+        else:
+            # the continuation request carries no stop strings (the router applies them), so
+            # an engine "stop" is a stop token (EOS or stop_token_ids)
+            before = len(self.text.token_ids)
+            stop = self.text.update(d.token_ids, finish == "stop")
+            ids = self.text.token_ids[before:]
+            if stop is not None:
+                finish, reason = "stop", stop
+                self.cut = True
+            text = self.text.next_text(finish is not None)
         self.note_sent_ids(ids)
         if finish:
             self.finished = True
-        if not text and not ids and not finish:
-            return b""
-        return self._chunk(text, ids, finish, stop_reason, None, usage)
+        logprobs = self._shift_offsets(d.logprobs, len(ids))
+        if (self.kind == "chat" and not text and finish is None and not self.wants_ids
+                and not logprobs):
+            return b""  # vLLM sends no chat chunk for a step without text
+        return self._chunk(text, ids, finish, reason, logprobs, d.usage)
+
+    def _shift_offsets(self, lp: Any, keep: int) -> Any:
+        """Completions logprobs of a continued leg: offsets continue those already sent; tokens
+        past a stop string the router found are dropped."""
+        if not lp or self.kind != "completions" or not isinstance(lp, dict):
+            return lp
+        lp = dict(lp)
+        toks = lp.get("tokens")
+        if isinstance(toks, list) and keep < len(toks):
+            for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                if isinstance(lp.get(k), list):
+                    lp[k] = lp[k][:keep]
+        offs, toks = lp.get("text_offset"), lp.get("tokens")
+        if offs and toks:
+            lp["text_offset"] = [self.leg_offset + o for o in offs]
+            self.next_text_offset = lp["text_offset"][-1] + len(toks[-1])
+        return lp
 
     def _usage(self, upstream: dict | None) -> dict:
         comp = self.emitted_ids
