@@ -10,6 +10,7 @@
 from .load import (
     LoadConfig,
     LoadReport,
+    Reference,
     RequestResult,
     RequestSpec,
     TokenCheck,
@@ -24,6 +25,7 @@ from .load import (
 __all__ = [
     "LoadConfig",
     "LoadReport",
+    "Reference",
     "RequestResult",
     "RequestSpec",
     "TokenCheck",

@@ -13,7 +13,9 @@ status, error events, streams that end without `data: [DONE]`, connection errors
 Greedy requests are checked token by token against a reference (`make_reference` runs every
 greedy spec once, directly against a backend; or a file from `save_reference`):
 `check_tokens` aligns received ids with reference ids and counts lost, duplicated and
-mismatched tokens.
+mismatched tokens, and compares each request's concatenated text with the reference's (what
+users read: a stream can carry the right ids and the wrong text); text mismatches are counted
+apart.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import aiohttp
+
+from relocator.cluster.streams import text_diff
 
 _WORDS = ("the quick brown fox jumps over a lazy dog while seven tall ships sail past "
           "green hills under silver clouds and every small river runs toward the sea").split()
@@ -145,6 +149,7 @@ class RequestResult:
     gaps: list[float] = field(default_factory=list)
     tokens: int = 0
     token_ids: list[int] | None = None
+    text: str = ""  # the concatenated text received
     token_times: list[tuple[float, int]] = field(default_factory=list)  # (t since run start, n)
     status: int | None = None
     finish_reason: str | None = None
@@ -164,12 +169,15 @@ class TokenCheck:
     tokens_lost: int = 0
     tokens_duplicated: int = 0
     tokens_mismatched: int = 0
+    texts_checked: int = 0  # requests whose text was compared (the reference has text)
+    text_mismatched: int = 0  # requests whose concatenated text differs from the reference's
     bad: list[dict[str, Any]] = field(default_factory=list)  # details of the first bad ones
+    text_bad: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return self.checked > 0 and not (self.tokens_lost or self.tokens_duplicated
-                                         or self.tokens_mismatched)
+                                         or self.tokens_mismatched or self.text_mismatched)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -241,7 +249,8 @@ class LoadReport:
             tc = self.token_check
             s.update(tokens_checked_requests=tc.checked, tokens_lost=tc.tokens_lost,
                      tokens_duplicated=tc.tokens_duplicated,
-                     tokens_mismatched=tc.tokens_mismatched)
+                     tokens_mismatched=tc.tokens_mismatched,
+                     texts_checked_requests=tc.texts_checked, text_mismatched=tc.text_mismatched)
         return s
 
     def to_dict(self, with_requests: bool = True) -> dict[str, Any]:
@@ -282,6 +291,8 @@ class LoadReport:
             t.add_row("lost / duplicated / mismatched",
                       f"[{style}]{tc.tokens_lost} / {tc.tokens_duplicated} / "
                       f"{tc.tokens_mismatched}[/]")
+            t.add_row("texts differing (of checked)",
+                      f"[{style}]{tc.text_mismatched}[/] ({tc.texts_checked})")
         for name, a, b in self.phases:
             t.add_row(f"phase {name}", f"{a:.2f}-{b:.2f} s")
         return t
@@ -344,24 +355,26 @@ class LoadReport:
 
 
 # ---- one streamed request -----------------------------------------------------------------
-def _event_tokens(ev: dict[str, Any], kind: str) -> tuple[list[int] | None, int, str | None]:
-    """(token ids or None, tokens counted, finish_reason) for one parsed SSE chunk."""
+def _event_tokens(ev: dict[str, Any], kind: str) -> tuple[list[int] | None, int, str | None,
+                                                         str]:
+    """(token ids or None, tokens counted, finish_reason, text) for one parsed SSE chunk."""
     ids: list[int] = []
     have_ids = False
     n = 0
     fin = None
+    text = ""
     for ch in ev.get("choices") or []:
+        piece = (ch.get("delta") or {}).get("content") if kind == "chat" else ch.get("text")
+        text += piece or ""
         t = ch.get("token_ids")
         if isinstance(t, list):
             have_ids = True
             ids.extend(t)
             n += len(t)
-        else:
-            piece = (ch.get("delta") or {}).get("content") if kind == "chat" else ch.get("text")
-            if piece:
-                n += 1
+        elif piece:
+            n += 1
         fin = ch.get("finish_reason") or fin
-    return (ids if have_ids else None), n, fin
+    return (ids if have_ids else None), n, fin, text
 
 
 async def _one(session: aiohttp.ClientSession, cfg: LoadConfig, model: str, spec: RequestSpec,
@@ -405,7 +418,8 @@ async def _one(session: aiohttp.ClientSession, cfg: LoadConfig, model: str, spec
                         res.error = f"error event {e.get('code')}: {e.get('message')}"[:300] \
                             if isinstance(e, dict) else f"error event: {e}"[:300]
                         continue
-                    tids, n, fin = _event_tokens(ev, spec.kind)
+                    tids, n, fin, text = _event_tokens(ev, spec.kind)
+                    res.text += text
                     if fin:
                         res.finish_reason = fin
                     if tids:
@@ -482,15 +496,24 @@ async def run_load(cfg: LoadConfig, stop: asyncio.Event | None = None,
 
 
 # ---- reference and token check ------------------------------------------------------------
+class Reference(dict):
+    """{spec key: token ids} of uninterrupted runs, with `.text` {spec key: text}."""
+
+    def __init__(self, ids: dict[str, list[int]] | None = None,
+                 text: dict[str, str] | None = None) -> None:
+        super().__init__(ids or {})
+        self.text: dict[str, str] = dict(text or {})
+
+
 async def make_reference(cfg: LoadConfig, url: str | None = None,
-                         concurrency: int = 4) -> dict[str, list[int]]:
+                         concurrency: int = 4) -> Reference:
     """Run every greedy spec of the mix once against `url` (default cfg.url: point it at a
-    backend directly, not through the router) and return {spec key: token ids}."""
+    backend directly, not through the router) and return their ids and text."""
     specs = [s for s in build_specs(cfg) if s.greedy]
     base = (url or cfg.url).rstrip("/")
     c = LoadConfig(**{**{k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
                       "url": base, "specs": specs})
-    ref: dict[str, list[int]] = {}
+    ref = Reference()
     sem = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession() as session:
         model = await _resolve_model(session, c)
@@ -503,18 +526,22 @@ async def make_reference(cfg: LoadConfig, url: str | None = None,
                 if r.error:
                     raise RuntimeError(f"reference request failed: {r.error}")
                 ref[s.key] = r.token_ids or []
+                ref.text[s.key] = r.text
 
         await asyncio.gather(*(one(s) for s in specs))
     return ref
 
 
 def save_reference(ref: dict[str, list[int]], path: str | Path) -> None:
-    Path(path).write_text(json.dumps({"version": 1, "token_ids": ref}))
+    Path(path).write_text(json.dumps({"version": 2, "token_ids": dict(ref),
+                                      "text": getattr(ref, "text", {})}, ensure_ascii=False))
 
 
-def load_reference(path: str | Path) -> dict[str, list[int]]:
+def load_reference(path: str | Path) -> Reference:
     d = json.loads(Path(path).read_text())
-    return d["token_ids"] if "token_ids" in d else d
+    if "token_ids" in d:
+        return Reference(d["token_ids"], d.get("text"))  # version 1 has no text
+    return Reference(d)
 
 
 def compare_ids(ref: Sequence[int], got: Sequence[int]) -> dict[str, int]:
@@ -547,6 +574,7 @@ def check_tokens(report: LoadReport, reference: dict[str, list[int]] | str | Pat
     """Compare every greedy request's ids (failed ones too: what they did not get is lost)
     with the reference; stores the result in `report.token_check` and returns it."""
     ref = load_reference(reference) if isinstance(reference, (str, Path)) else reference
+    texts: dict[str, str] = getattr(ref, "text", {})
     tc = TokenCheck()
     for r in report.results:
         if not r.greedy:
@@ -561,6 +589,15 @@ def check_tokens(report: LoadReport, reference: dict[str, list[int]] | str | Pat
         tc.tokens_lost += c["lost"]
         tc.tokens_duplicated += c["duplicated"]
         tc.tokens_mismatched += c["mismatched"]
+        want_text = texts.get(r.spec_key)
+        text = text_diff(want_text, r.text) if want_text is not None else None
+        if want_text is not None:
+            tc.texts_checked += 1
+        if text:
+            tc.text_mismatched += 1
+            if len(tc.text_bad) < max_details:
+                tc.text_bad.append({"index": r.index, "spec_key": r.spec_key, "error": r.error,
+                                    **text})
         if c["first_divergence"] < 0:
             tc.exact += 1
         elif len(tc.bad) < max_details:

@@ -13,14 +13,14 @@ from loadtests import LoadConfig, RequestSpec, build_specs, check_tokens, make_r
 from loadtests.load import compare_ids
 from relocator.router.client import RouterControl
 from relocator.router.config import BackendConfig, RouterSettings
-from relocator.router.fakeserver import start_fake
+from relocator.router.fakeserver import start_fake, write_fake_tokenizer
 from relocator.router.server import RouterServer
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
 @pytest.fixture
-async def env():
+async def env(tmp_path_factory):
     fakes, runners = [], []
     for _ in range(2):
         eng, runner, url = await start_fake("fake")
@@ -29,7 +29,9 @@ async def env():
         runners.append(runner)
     srv = await RouterServer(RouterSettings(
         port=0, control_port=0, hold_timeout_s=10,
-        backends=[BackendConfig(model="fake", url=fakes[0][1], worker_id="w1")])).start()
+        backends=[BackendConfig(model="fake", url=fakes[0][1], worker_id="w1",
+                                tokenizer=str(write_fake_tokenizer(tmp_path_factory.mktemp("tok"))))]
+    )).start()
     yield srv, fakes
     await srv.stop()
     for r in runners:
@@ -98,7 +100,7 @@ async def test_load_through_switch_token_exact(env, tmp_path):
     assert "lost / duplicated / mismatched" in (tmp_path / "table.txt").read_text()
 
 
-async def test_token_check_catches_damage(env):
+async def test_token_check_catches_damage(env, tmp_path):
     srv, fakes = env
     cfg = LoadConfig(url=srv.url, concurrency=2, requests=8, greedy_fraction=1.0,
                      output_tokens=[10], distinct=2)
@@ -112,6 +114,19 @@ async def test_token_check_catches_damage(env):
     tc = check_tokens(rep, ref)
     assert (tc.tokens_lost, tc.tokens_duplicated, tc.tokens_mismatched) == (3, 1, 1)
     assert not tc.ok and len(tc.bad) == 3 and tc.exact == 5
+    assert tc.texts_checked == 8 and tc.text_mismatched == 0  # ids damaged here, not text
+    # right ids, wrong text (a splice that repeated text): counted apart
+    r3 = rep.results[3]
+    r3.text = r3.text[:4] + r3.text
+    tc = check_tokens(rep, ref)
+    assert tc.text_mismatched == 1 and tc.text_bad[0]["first_difference"] <= 4
+    assert rep.summary()["text_mismatched"] == 1
+    # the reference keeps its text on disk
+    from loadtests import load_reference, save_reference
+
+    save_reference(ref, tmp_path / "ref.json")
+    back = load_reference(tmp_path / "ref.json")
+    assert dict(back) == dict(ref) and back.text == ref.text and ref.text
 
 
 async def test_errors_duration_and_stop(env):

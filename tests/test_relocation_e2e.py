@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from relocator.cluster.scenario import relocate_under_load
-from relocator.cluster.streams import PROMPTS, compare, reference, stream_once
+from relocator.cluster.streams import PROMPTS, Reference, compare, reference, stream_once
 
 pytestmark = pytest.mark.integration
 MODEL = "tiny-llama"
@@ -51,7 +51,7 @@ def all_cells(ctl, worker: str) -> list[tuple[str, str]]:
     return [(n, c["id"]) for n, cells in ctl.cells().items() for c in cells if c["id"].startswith(worker + "-")]
 
 
-def greedy_ok(url: str, ref: dict[int, list[int]], n: int = 2) -> None:
+def greedy_ok(url: str, ref: Reference, n: int = 2) -> None:
     async def go():
         async with aiohttp.ClientSession() as s:
             return await asyncio.gather(*(stream_once(s, url, MODEL, PROMPTS[i], MAX_TOKENS, prompt_idx=i)
@@ -59,7 +59,8 @@ def greedy_ok(url: str, ref: dict[int, list[int]], n: int = 2) -> None:
 
     for r in asyncio.run(go()):
         assert not r.error, r.error
-        assert compare(ref[r.prompt], r.tokens) == {"lost": 0, "duplicated": 0, "mismatched": 0}
+        assert compare(ref[r.prompt].tokens, r.tokens) == {"lost": 0, "duplicated": 0, "mismatched": 0}
+        assert r.text == ref[r.prompt].text
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def w1(relocator_cluster):
 
 
 @pytest.fixture(scope="module")
-def ref(relocator_cluster, w1) -> dict[int, list[int]]:
+def ref(relocator_cluster, w1) -> Reference:
     return asyncio.run(reference(relocator_cluster.router_url, MODEL, MAX_TOKENS, 8, 8))
 
 
@@ -84,6 +85,7 @@ def test_relocate_under_eight_streams(relocator_cluster, w1, ref) -> None:
     assert list(rel["phases"]) == ["PLAN", "RESERVE", "HOLD", "DUMP", "TRANSFER", "RESTORE", "SWITCH", "RELEASE"]
     assert load["client_errors"] == 0, load["errors"]
     assert (load["tokens_lost"], load["tokens_duplicated"], load["tokens_mismatched"]) == (0, 0, 0)
+    assert load["text_mismatched"] == 0, load["text_bad"]
     assert all(c["verified"] == c["requests"] for c in load["clients"]) and len(load["clients"]) == 8
     assert load["blackout_max_s"] > 0
     st = ctl.status()
@@ -108,6 +110,7 @@ def test_injected_fault_rolls_back_and_source_serves(relocator_cluster, w1, ref,
     assert not rel["rollback"]["errors"]
     assert load["client_errors"] == 0, load["errors"]
     assert (load["tokens_lost"], load["tokens_duplicated"], load["tokens_mismatched"]) == (0, 0, 0)
+    assert load["text_mismatched"] == 0, load["text_bad"]
     (w,) = [w for w in ctl.status()["workers"] if w["id"] == w1]
     assert (w["node"], w["cell"], w["state"], w["endpoint"]) == ("n2", w_before["cell"], "running",
                                                                  w_before["endpoint"])
@@ -192,6 +195,7 @@ def test_drain_node_with_two_workers(relocator_cluster, w1, ref) -> None:
     assert [r["result"] for r in out["relocations"]] == ["done", "done"], out
     assert all(r["transfer"] == "stream" for r in out["relocations"])
     assert rep["client_errors"] == 0 and (rep["tokens_lost"], rep["tokens_duplicated"], rep["tokens_mismatched"]) == (0, 0, 0)
+    assert rep["text_mismatched"] == 0, rep["text_bad"]
     st = ctl.status()
     assert all(w["node"] != node and w["state"] == "running" for w in st["workers"])
     assert {n["id"]: n["gpus_free"] for n in st["nodes"]}[node] == 4

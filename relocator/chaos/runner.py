@@ -613,10 +613,13 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
             "tokens_checked_requests": tc.checked,
             "tokens_lost": tc.tokens_lost, "tokens_duplicated": tc.tokens_duplicated,
             "tokens_mismatched": tc.tokens_mismatched, "token_bad": tc.bad[:5],
+            "texts_checked_requests": tc.texts_checked, "text_mismatched": tc.text_mismatched,
+            "text_bad": tc.text_bad[:5],
             "excluding_router_restart": {"requests": len(rest.results), "failed_requests": len(failed) - len(cut),
                                          "tokens_lost": tc_rest.tokens_lost,
                                          "tokens_duplicated": tc_rest.tokens_duplicated,
-                                         "tokens_mismatched": tc_rest.tokens_mismatched},
+                                         "tokens_mismatched": tc_rest.tokens_mismatched,
+                                         "text_mismatched": tc_rest.text_mismatched},
             "itl_ms": summ["itl_ms"], "ttft_ms": summ["ttft_ms"],
             "leaked": leaked_mid, "faults": {o["fault"]: o for o in outcomes if o.get("fault")},
             "moves": moves, "failed": failed[:20],
@@ -646,6 +649,7 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
     report["ok"] = bool(
         ex.get("failed_requests") == 0
         and ex.get("tokens_lost") == ex.get("tokens_duplicated") == ex.get("tokens_mismatched") == 0
+        and ex.get("text_mismatched") == 0
         and not L.total(report.get("leaked", {}))
         and all(o["ok"] for o in report.get("faults", {}).values())
         and report.get("plain_moves_done") == report.get("plain_moves"))

@@ -42,7 +42,8 @@ def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode = 
         "phases": rel["phases"], "relocation_total_s": round(sum(rel["phases"].values()), 3),
         "image_bytes": rel["image_bytes"], "transfer": rel["transfer"],
         "tokens_lost": load["tokens_lost"], "tokens_duplicated": load["tokens_duplicated"],
-        "tokens_mismatched": load["tokens_mismatched"], "client_errors": load["client_errors"],
+        "tokens_mismatched": load["tokens_mismatched"], "text_mismatched": load["text_mismatched"],
+        "client_errors": load["client_errors"],
         "streams": streams, "max_tokens": max_tokens, "requests": load["requests"], "tokens": load["tokens"],
         "result": rel["result"], "client_max_gap_s": [c["max_gap_s"] for c in load["clients"]],
     }

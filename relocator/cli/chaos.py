@@ -84,7 +84,7 @@ def chaos_cmd(duration: float = typer.Option(None, "--duration", help="stop star
         console.print(f"plain moves {rep.get('plain_moves_done')}/{rep.get('plain_moves')} done; requests "
                       f"{rep.get('requests')}, failed {rep.get('failed_requests')} {rep.get('failed_requests_by_fault')}; "
                       f"tokens lost/dup/mismatched {rep.get('tokens_lost')}/{rep.get('tokens_duplicated')}/"
-                      f"{rep.get('tokens_mismatched')}; leaked {rep.get('leaked')}; {rep.get('seconds')}s")
+                      f"{rep.get('tokens_mismatched')}; texts differing {rep.get('text_mismatched')}; leaked {rep.get('leaked')}; {rep.get('seconds')}s")
         console.print("[green]OK[/]" if rep["ok"] else "[red]FAILED[/]")
     if not rep["ok"]:
         raise typer.Exit(1)

@@ -78,7 +78,7 @@ def run_demo(nodes: int = 2, gpus: int = 4, streams: int = 8, max_tokens: int = 
     load = report["load"]
     report["ok"] = (report["relocation"]["result"] == "done" and load["client_errors"] == 0
                     and load["tokens_lost"] == load["tokens_duplicated"] == load["tokens_mismatched"] == 0
-                    and fits is not None)
+                    and load["text_mismatched"] == 0 and fits is not None)
     return report
 
 
@@ -104,7 +104,7 @@ def demo_cmd(nodes: int = typer.Option(2, help="nodes (2-3)"), gpus: int = typer
         for k, v in rel["phases"].items():
             t.add_row(k, f"{v:.3f}")
         console.print(t)
-        t = Table(title="clients (longest pause any request saw, requests verified token by token)")
+        t = Table(title="clients (longest pause any request saw, requests verified token by token and by text)")
         for c in ("client", "requests", "tokens", "longest pause s", "verified", "errors"):
             t.add_column(c, justify="right")
         for c in load["clients"]:
@@ -112,7 +112,8 @@ def demo_cmd(nodes: int = typer.Option(2, help="nodes (2-3)"), gpus: int = typer
                       f"{c['verified']}/{c['requests']}", str(c["errors"]))
         console.print(t)
         console.print(f"tokens: {load['tokens']} received, lost {load['tokens_lost']}, duplicated "
-                      f"{load['tokens_duplicated']}, mismatched {load['tokens_mismatched']}; client errors "
+                      f"{load['tokens_duplicated']}, mismatched {load['tokens_mismatched']}; texts differing "
+                      f"{load['text_mismatched']}; client errors "
                       f"{load['client_errors']}; longest blackout {load['blackout_max_s']:.2f}s; "
                       f"total {rep['total_s']:.0f}s")
         console.print("[green]OK[/]" if rep["ok"] else "[red]FAILED[/]")

@@ -7,12 +7,12 @@ import asyncio
 import time
 from typing import Any, Callable
 
-from relocator.cluster.streams import Load, reference
+from relocator.cluster.streams import Load, Reference, reference
 
 
 def relocate_under_load(ctl: Any, worker: str, to: str | None, model: str, *, concurrency: int = 8,
                         max_tokens: int = 256, warmup_s: float = 2.0, transfer: str | None = None,
-                        faults: dict | None = None, ref: dict[int, list[int]] | None = None,
+                        faults: dict | None = None, ref: Reference | None = None,
                         on_phase: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """Stream `concurrency` greedy clients through the router, relocate `worker` while they
     stream, let every stream finish, and check each one against a reference run."""

@@ -1,6 +1,7 @@
 """Greedy streaming clients for relocation runs: reference outputs, closed-loop load through
 the router, and the figures a relocation is judged by (longest pause each client saw, tokens
-lost / duplicated / mismatched against the reference, client errors).
+lost / duplicated / mismatched against the reference, requests whose text differs from the
+reference's, client errors). Text is checked apart from ids: it is what users read.
 
 Self-contained (aiohttp only) so the demo, the benchmark and the tests measure the same way.
 """
@@ -29,6 +30,7 @@ class RequestResult:
     client: int
     prompt: int
     tokens: list[int] = field(default_factory=list)
+    text: str = ""  # the concatenated text the client received
     times: list[float] = field(default_factory=list)  # send time, then one per token event
     error: str = ""
     finish_reason: str | None = None
@@ -68,6 +70,7 @@ async def stream_once(session: aiohttp.ClientSession, url: str, model: str, prom
                             res.error = f"error event: {obj['error']}"
                             continue
                         for ch in obj.get("choices", []):
+                            res.text += ch.get("text") or ""
                             ids = ch.get("token_ids") or []
                             if ids:
                                 res.tokens.extend(ids)
@@ -81,7 +84,11 @@ async def stream_once(session: aiohttp.ClientSession, url: str, model: str, prom
     return res
 
 
-async def reference(url: str, model: str, max_tokens: int, n_prompts: int, concurrency: int = 8) -> dict[int, list[int]]:
+#: prompt index -> that prompt's uninterrupted result (ids and text)
+Reference = dict[int, RequestResult]
+
+
+async def reference(url: str, model: str, max_tokens: int, n_prompts: int, concurrency: int = 8) -> Reference:
     """Each prompt once, streamed with the same parameters as the load, no relocation."""
     sem = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession() as s:
@@ -93,7 +100,7 @@ async def reference(url: str, model: str, max_tokens: int, n_prompts: int, concu
     bad = [r.error for r in results if r.error]
     if bad:
         raise RuntimeError(f"reference run failed: {bad[0]}")
-    return {r.prompt: r.tokens for r in results}
+    return {r.prompt: r for r in results}
 
 
 def compare(expected: list[int], got: list[int]) -> dict[str, int]:
@@ -103,11 +110,20 @@ def compare(expected: list[int], got: list[int]) -> dict[str, int]:
             "mismatched": mismatched}
 
 
+def text_diff(expected: str, got: str) -> dict[str, Any] | None:
+    """None if equal, else where the text first differs and a little of each side."""
+    if expected == got:
+        return None
+    i = next((k for k, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+    return {"first_difference": i, "expected_len": len(expected), "got_len": len(got),
+            "expected": expected[max(0, i - 20):i + 40], "got": got[max(0, i - 20):i + 40]}
+
+
 class Load:
     """`concurrency` clients, each streaming its own prompt again and again until stopped.
     Runs its own event loop on a thread, so sync code (CLI, tests, actors) can drive it."""
 
-    def __init__(self, url: str, model: str, ref: dict[int, list[int]], max_tokens: int,
+    def __init__(self, url: str, model: str, ref: Reference, max_tokens: int,
                  concurrency: int = 8) -> None:
         self.url, self.model, self.ref = url, model, ref
         self.max_tokens, self.concurrency = max_tokens, concurrency
@@ -150,6 +166,8 @@ class Load:
         """Figures over every completed request; `window` (monotonic start, end) of the
         relocation: `blackout_max_s` is the longest wait any client saw overlapping it."""
         totals = {"lost": 0, "duplicated": 0, "mismatched": 0}
+        text_mismatched = 0
+        text_bad: list[dict[str, Any]] = []
         errors: list[str] = []
         clients: dict[int, dict[str, Any]] = {}
         blackout = 0.0
@@ -162,10 +180,16 @@ class Load:
                 c["errors"] += 1
                 errors.append(r.error)
                 continue
-            diff = compare(self.ref[r.prompt], r.tokens)
+            want = self.ref[r.prompt]
+            diff = compare(want.tokens, r.tokens)
             for k in totals:
                 totals[k] += diff[k]
-            if not any(diff.values()):
+            text = text_diff(want.text, r.text)
+            if text:
+                text_mismatched += 1
+                if len(text_bad) < 5:
+                    text_bad.append({"client": r.client, "prompt": r.prompt, **text})
+            if not any(diff.values()) and not text:
                 c["verified"] += 1
             for a, b in r.gaps():
                 c["max_gap_s"] = max(c["max_gap_s"], b - a)
@@ -175,7 +199,8 @@ class Load:
             c["max_gap_s"] = round(c["max_gap_s"], 4)
         return {"requests": len(self.results), "tokens": sum(len(r.tokens) for r in self.results),
                 "tokens_lost": totals["lost"], "tokens_duplicated": totals["duplicated"],
-                "tokens_mismatched": totals["mismatched"], "client_errors": len(errors),
+                "tokens_mismatched": totals["mismatched"], "text_mismatched": text_mismatched,
+                "text_bad": text_bad, "client_errors": len(errors),
                 "errors": errors[:5], "blackout_max_s": round(blackout, 4),
                 "clients": [clients[k] for k in sorted(clients)]}
 
