@@ -17,10 +17,11 @@ from relocator.router.server import RouterServer
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session")]
 
 
-async def test_token_check_real_vllm_through_switch(vllm_server, tmp_path):
+async def test_token_check_real_vllm_through_switch(vllm_server, tiny_model_dir, tmp_path):
     w = vllm_server
     srv = await RouterServer(RouterSettings(port=0, control_port=0, hold_timeout_s=30, backends=[
-        BackendConfig(model=w.model, url=w.base_url, worker_id="w0")])).start()
+        BackendConfig(model=w.model, url=w.base_url, worker_id="w0",
+                      tokenizer=str(tiny_model_dir))])).start()
     try:
         cfg = LoadConfig(url=srv.url, model=w.model, concurrency=4, requests=24,
                          prompt_words=[4, 16], output_tokens=[48, 96], distinct=6, seed=2,
@@ -48,8 +49,9 @@ async def test_token_check_real_vllm_through_switch(vllm_server, tmp_path):
         s = rep.summary()
         assert s["failed_requests"] == 0, s["errors"]
         assert moved >= 1
-        assert tc.checked >= 8 and tc.ok, tc.bad
         assert (tc.tokens_lost, tc.tokens_duplicated, tc.tokens_mismatched) == (0, 0, 0)
+        assert tc.texts_checked >= 8 and tc.text_mismatched == 0, tc.text_bad
+        assert tc.checked >= 8 and tc.ok, tc.bad
         rep.write_png(tmp_path / "t.png", phases=phases)
     finally:
         await srv.stop()

@@ -8,6 +8,7 @@ import json
 import aiohttp
 import pytest
 
+from loadtests.cutproxy import RepeatCutProxy
 from relocator.router.client import RouterControl
 from relocator.router.config import BackendConfig, RouterSettings
 from relocator.router.server import RouterServer
@@ -246,60 +247,6 @@ class _CutProxy:
         self.server.close()
 
 
-class _RepeatCutProxy:
-    """Loopback TCP proxy that drops every upstream connection after a random number of
-    response bytes (seeded): each stream through it breaks again and again, mid-event, and the
-    router continues it on whichever worker it reaches next (which may break it again)."""
-
-    def __init__(self, target_url, rng, lo=1500, hi=6000):
-        self.host, port = target_url.split("//")[1].split(":")
-        self.port, self.rng, self.lo, self.hi = int(port), rng, lo, hi
-        self.cuts = 0
-        self.server = None
-        self.url = ""
-
-    async def start(self):
-        async def handle(cr, cw):
-            ur, uw = await asyncio.open_connection(self.host, self.port)
-            limit = self.rng.randint(self.lo, self.hi)
-
-            async def up():
-                try:
-                    while data := await cr.read(65536):
-                        uw.write(data)
-                        await uw.drain()
-                except Exception:
-                    pass
-
-            async def down():
-                n = 0
-                try:
-                    while data := await ur.read(65536):
-                        if n + len(data) >= limit:
-                            cw.write(data[: limit - n])
-                            await cw.drain()
-                            self.cuts += 1
-                            break
-                        n += len(data)
-                        cw.write(data)
-                        await cw.drain()
-                except Exception:
-                    pass
-                for w in (cw, uw):
-                    w.transport.abort()
-
-            t = asyncio.ensure_future(up())
-            await down()
-            t.cancel()
-
-        self.server = await asyncio.start_server(handle, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def close(self):
-        self.server.close()
-
-
 async def test_text_exact_across_hundreds_of_splices(vllm_server, vllm_server_b, tiny_model_dir):
     """What users read: every stream's concatenated text, through the official openai client,
     equals the same request made directly, while every stream is cut and continued every few
@@ -311,8 +258,8 @@ async def test_text_exact_across_hundreds_of_splices(vllm_server, vllm_server_b,
     import openai
 
     rng = random.Random(20)
-    proxies = [await _RepeatCutProxy(w.base_url, rng).start() for w in (vllm_server,
-                                                                        vllm_server_b)]
+    proxies = [await RepeatCutProxy(w.base_url, rng).start() for w in (vllm_server,
+                                                                       vllm_server_b)]
     srv = await _router(*[_W(p.url, vllm_server.model) for p in proxies], tokenizer=tiny_model_dir,
                         max_continuations=10_000, retries=4, unreachable_hold_s=0)
     direct = openai.AsyncOpenAI(base_url=vllm_server_b.base_url + "/v1", api_key="x", max_retries=0)
@@ -347,16 +294,19 @@ async def test_text_exact_across_hundreds_of_splices(vllm_server, vllm_server_b,
                 streams += len(got)
                 diffs += [(chat, with_stop, p, a, b) for p, a, b in zip(prompts, want, got)
                           if a != b]
-        splices = {at: srv.hooks.splices.labels(at)._value.get()
-                   for at in ("char", "stop_buffer", "clean", "engine_text")}
+        kinds = ("char", "stop_buffer", "clean", "engine_text")
+        splices = {at: srv.hooks.splices.labels(at)._value.get() for at in kinds}
+        spliced = {at: srv.hooks.spliced_streams.labels(at)._value.get() for at in kinds}
     finally:
         await direct.close()
         await via.close()
         await srv.stop()
         for p in proxies:
             await p.close()
-    print(f"streams {streams}, splices {splices}, cuts {sum(p.cuts for p in proxies)}")
+    print(f"streams {streams}, splices {splices}, streams by splice {spliced}, "
+          f"cuts {sum(p.cuts for p in proxies)}")
     assert not diffs, [(c, s, p, a[:80], b[:80], len(a), len(b)) for c, s, p, a, b in diffs[:3]]
     assert splices["engine_text"] == 0
     assert sum(splices.values()) >= 200, splices  # hundreds of splices
     assert splices["char"] >= 20 and splices["stop_buffer"] >= 20, splices
+    assert spliced["char"] >= 6 and spliced["stop_buffer"] >= 6, spliced

@@ -29,6 +29,10 @@ class PromHooks(Hooks):
                                "(char), inside text held back for a stop string (stop_buffer), "
                                "clean, or engine_text (no tokenizer: the engine's text is sent)",
                                ["at"], registry=r)
+        self.spliced_streams = Counter(
+            "relocator_router_spliced_streams",
+            "Continued streams (counted at their end), once for each kind of splice they had",
+            ["at"], registry=r)
         self.retries = Counter("relocator_router_retries",
                                "Upstream attempts retried before the first byte", registry=r)
         self.suspects = Counter("relocator_router_suspect_holds",
@@ -55,6 +59,10 @@ class PromHooks(Hooks):
 
     def splice(self, at: str) -> None:
         self.splices.labels(at).inc()
+
+    def stream_spliced(self, kinds: list[str]) -> None:
+        for at in kinds:
+            self.spliced_streams.labels(at).inc()
 
     def retried(self) -> None:
         self.retries.inc()

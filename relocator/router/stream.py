@@ -56,6 +56,7 @@ class StreamState:
         self.text_exact = False
         #: where the last splice fell (OutputText.held_back; "engine_text": no tokenizer)
         self.splice_at = ""
+        self.splices: list[str] = []
         self.wants_ids = engine.client_wants_token_ids(body)
         self.usage_sent = False
 
@@ -163,6 +164,7 @@ class StreamState:
                 self.text_exact = True
         self.leg_offset = self.next_text_offset
         self.splice_at = self.text.held_back() if self.text is not None else "engine_text"
+        self.splices.append(self.splice_at)
 
     def _ensure_tmpl(self) -> None:
         if self.tmpl:
