@@ -1,20 +1,35 @@
-"""The interface an engine adapter implements, and a registry of adapters by name.
+"""The interface an engine adapter implements, and the one registry of engines.
 
-The rest of relocator talks to engines only through this interface: how to launch one so that
-CRIU can dump it, how to tell it is healthy, what its metrics mean, how to continue a request
-from token ids, and the engine part of a snapshot's fingerprint.
+The rest of relocator talks to engines only through this interface: how to launch one inside
+a cell so that CRIU can dump it, how to tell it is healthy, what its metrics mean, how to
+continue its streams from token ids (its codec, used by the router), the engine part of a
+snapshot's fingerprint, and what marks its processes (the leak check). Adding an engine: a
+package adapters/NAME/ with `adapter.py` (class `Adapter`) and `codec.py` (class `Codec`),
+and one line in `ENGINES`.
 """
 
 from __future__ import annotations
 
 import abc
+import hashlib
+import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
 from relocator.choices import registry_choice
+
+if TYPE_CHECKING:
+    from adapters.codec import ContinuationCodec
+
+#: THE registry: engine name -> its package. Nothing outside adapters/ names an engine.
+ENGINES: dict[str, str] = {
+    "vllm": "adapters.vllm",
+}
+#: the engine used where none is named (a worker, a cell, a router replica)
+DEFAULT_ENGINE = "vllm"
 
 
 class EngineFingerprint(BaseModel):
@@ -45,14 +60,24 @@ class LaunchSpec:
     memory_fraction: float = 0.1
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    #: host folder for caches shared by the workers of a machine (compiled kernels); the
+    #: engine keeps them out of the cell, whose tmpfs would carry them into every image
+    cache_dir: str | None = None
 
 
 class EngineAdapter(abc.ABC):
     name: str
+    #: the port the engine's server listens on inside its cell (own network namespace)
+    default_port: int = 8000
+    #: bytes that appear in the command line of this engine's processes (the leak check)
+    process_markers: tuple[bytes, ...] = ()
+    #: (python module, what installs it) the engine needs on this machine (preflight)
+    requirements: tuple[tuple[str, str], ...] = ()
 
     @abc.abstractmethod
     def command(self, spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
-        """argv and extra environment that start the engine's OpenAI server, CRIU-friendly."""
+        """argv and extra environment that start the engine's OpenAI server inside a cell,
+        CRIU-friendly (the cell gives it TMPDIR=/run, a private /dev/shm, loopback)."""
 
     @abc.abstractmethod
     def fingerprint(self, spec: LaunchSpec) -> EngineFingerprint:
@@ -66,42 +91,46 @@ class EngineAdapter(abc.ABC):
     def parse_metrics(self, text: str) -> dict[str, float]:
         """Engine metrics from a Prometheus text page, as name -> value (summed over labels)."""
 
-    @abc.abstractmethod
-    def continuation_request(
-        self, body: dict[str, Any], prompt_ids: list[int], sent_ids: list[int]
-    ) -> dict[str, Any]:
-        """A completions request body that continues `body` after `sent_ids` were produced."""
+    def codec(self) -> "ContinuationCodec":
+        """How the router continues this engine's streams."""
+        return get_codec(self.name)
 
 
-_REGISTRY: dict[str, Callable[[], EngineAdapter]] = {}
-
-
-def register(name: str) -> Callable[[Callable[[], EngineAdapter]], Callable[[], EngineAdapter]]:
-    def deco(factory: Callable[[], EngineAdapter]) -> Callable[[], EngineAdapter]:
-        _REGISTRY[name] = factory
-        return factory
-
-    return deco
+def _package(name: str) -> str:
+    try:
+        return ENGINES[name]
+    except KeyError:
+        raise KeyError(f"unknown engine {name!r}; known: {', '.join(sorted(ENGINES))}") from None
 
 
 def get_adapter(name: str) -> EngineAdapter:
-    if name not in _REGISTRY:
-        import importlib
+    return importlib.import_module(f"{_package(name)}.adapter").Adapter()
 
-        try:
-            importlib.import_module(f"adapters.{name}")
-        except ModuleNotFoundError:
-            pass
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown engine {name!r}; known: {', '.join(sorted(_REGISTRY)) or 'none'}")
-    return _REGISTRY[name]()
+
+def get_codec(name: str) -> "ContinuationCodec":
+    """The router's codec for engine `name` (light: no HTTP client, no engine import).
+    "none": a codec that continues nothing."""
+    if name == "none":
+        from adapters.codec import ContinuationCodec
+
+        return ContinuationCodec()
+    return importlib.import_module(f"{_package(name)}.codec").Codec()
 
 
 def engine_names() -> list[str]:
-    """The engines with an adapter package next to this module (each registers when imported)."""
-    import pkgutil
+    return sorted(ENGINES)
 
-    return sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]) if m.ispkg)
+
+def weights_sha256(model_dir: Path) -> str:
+    """sha256 over a model's weight files (*.safetensors), in name order: the weight part of
+    an engine fingerprint."""
+    h = hashlib.sha256()
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
 
 
 #: the engines a worker can run, as a typed choice (`relocator cell launch --engine`)

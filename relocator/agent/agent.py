@@ -119,19 +119,21 @@ class NodeAgent:
         return [str(m) for m in compatibility(fp, target)]
 
     # -- lifecycle --------------------------------------------------------------------------
-    def launch(self, cell_id: str, model_dir: str, served_name: str, port: int = 8000,
+    def launch(self, cell_id: str, model_dir: str, served_name: str, port: int | None = None,
                gpu_ids: list[int] | None = None, ready_timeout: float = 600.0,
-               extra: dict | None = None) -> dict[str, Any]:
+               extra: dict | None = None, engine: str | None = None) -> dict[str, Any]:
+        from adapters.base import DEFAULT_ENGINE
         from relocator.worker import default_spec, launch_worker, wait_ready
 
+        engine = engine or DEFAULT_ENGINE
         with self._lock(cell_id):
-            spec = default_spec(Path(model_dir), served_name, port)
+            spec = default_spec(Path(model_dir), served_name, port, engine=engine)
             for k, v in (extra or {}).items():
                 setattr(spec, k, v)
             if gpu_ids is not None:
                 spec.env = {**spec.env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpu_ids))}
             t0 = time.monotonic()
-            cell = launch_worker(spec, cell_id=cell_id)
+            cell = launch_worker(spec, engine=engine, cell_id=cell_id)
             try:
                 ready_s = asyncio.run(wait_ready(cell, timeout=ready_timeout))
             except BaseException:

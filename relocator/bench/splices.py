@@ -45,10 +45,12 @@ async def run(streams: int = 1000, baseline_streams: int = 200, concurrency: int
                                     max_retries=0)
         sem = asyncio.Semaphore(concurrency)
 
-        async def text_of(client: Any, chat: bool, prompt: str, stop: list[str] | None) -> str:
+        async def text_of(client: Any, chat: bool, prompt: str,
+                          stop: tuple[str, ...] | None) -> str:
             async with sem:
                 kw: dict[str, Any] = dict(model=model, max_tokens=max_tokens, temperature=0,
-                                          stream=True, stop=stop or None, extra_body={
+                                          stream=True, stop=list(stop) if stop else None,
+                                          extra_body={
                                               "ignore_eos": True,
                                               "min_tokens": max_tokens // 3 if stop else 0})
                 if chat:
@@ -64,11 +66,11 @@ async def run(streams: int = 1000, baseline_streams: int = 200, concurrency: int
                 for i in range(distinct)]
         log(f"reference: {len(base)} requests made directly")
         plain = await asyncio.gather(*(text_of(direct, c, p, None) for c, p in base))
-        specs: list[tuple[bool, str, list[str] | None]] = []
+        specs: list[tuple[bool, str, tuple[str, ...] | None]] = []
         for (chat, prompt), ref in zip(base, plain):
             specs.append((chat, prompt, None))
             mid = len(ref) // 2
-            specs.append((chat, prompt, [ref[mid:mid + 3] or "x", "walks"]))
+            specs.append((chat, prompt, (ref[mid:mid + 3] or "x", "walks")))
         refs = dict(zip([(c, p, None) for c, p in base], plain))
         with_stop = [s for s in specs if s[2]]
         for s, text in zip(with_stop, await asyncio.gather(
@@ -82,6 +84,15 @@ async def run(streams: int = 1000, baseline_streams: int = 200, concurrency: int
                 backends=[BackendConfig(model=model, url=p.url, worker_id=f"w{i}",
                                         tokenizer=tokenizer) for i, p in enumerate(proxies)],
             )).start()
+            inside = 0  # streams with a splice inside a character or a held-back stop prefix
+            counted = srv.hooks.stream_spliced
+
+            def count(kinds: list[str]) -> None:
+                nonlocal inside
+                inside += bool({"char", "stop_buffer"} & set(kinds))
+                counted(kinds)
+
+            srv.hooks.stream_spliced = count  # type: ignore[method-assign]  # (the core holds srv.hooks)
             via = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
             t0 = time.monotonic()
             cuts0 = sum(p.cuts for p in proxies)
@@ -106,6 +117,7 @@ async def run(streams: int = 1000, baseline_streams: int = 200, concurrency: int
                 "splices": {k: int(h.splices.labels(k)._value.get()) for k in KINDS},
                 "streams_by_splice": {k: int(h.spliced_streams.labels(k)._value.get())
                                       for k in KINDS},
+                "streams_spliced_inside_char_or_stop_buffer": inside,
                 "cuts": sum(p.cuts for p in proxies) - cuts0,
                 "seconds": round(time.monotonic() - t0, 1),
             }

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from adapters.base import DEFAULT_ENGINE
 from relocator.cell import netns
 from relocator.paths import state_dir, tail
 
@@ -65,7 +66,7 @@ class Cell:
     ip: str
     port: int
     init_pid: int
-    engine: str = "vllm"
+    engine: str = DEFAULT_ENGINE
     launch: dict[str, Any] = field(default_factory=dict)  # the engine LaunchSpec, as data
     origin: str = "launch"  # or "restore:<image>"
     created_at: float = field(default_factory=time.time)
@@ -195,7 +196,7 @@ def launch_cell(
     env: dict[str, str],
     port: int,
     *,
-    engine: str = "vllm",
+    engine: str = DEFAULT_ENGINE,
     launch: dict[str, Any] | None = None,
     cell_id: str | None = None,
     shm_size: str = "2g",
@@ -220,7 +221,6 @@ def launch_cell(
         "HOME": os.environ.get("HOME", "/root"),
         "LANG": "C.UTF-8",
         "TMPDIR": "/run",
-        "VLLM_RPC_BASE_PATH": "/run",
         "PYTHONPATH": str(REPO_ROOT),
         **env,
     }

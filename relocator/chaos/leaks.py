@@ -71,9 +71,13 @@ def _pidns(pid: int) -> str | None:
         return None
 
 
-def vllm_processes(base: Path, live_cells: Iterable[Any]) -> set[str]:
-    """vLLM processes whose RELOCATOR_STATE_DIR is under `base` and whose PID namespace is not
-    that of a recorded, live cell: strays."""
+def engine_processes(base: Path, live_cells: Iterable[Any]) -> set[str]:
+    """Engine processes (any adapter's `process_markers` in the command line) whose
+    RELOCATOR_STATE_DIR is under `base` and whose PID namespace is not that of a recorded, live
+    cell: strays."""
+    from adapters.base import engine_names, get_adapter
+
+    markers = {m for name in engine_names() for m in get_adapter(name).process_markers}
     base_s = str(Path(base).resolve())
     cell_ns = {_pidns(c.init_pid) for c in live_cells if c.is_alive()} - {None}
     out = set()
@@ -82,7 +86,7 @@ def vllm_processes(base: Path, live_cells: Iterable[Any]) -> set[str]:
             continue
         try:
             cmd = Path(f"/proc/{d}/cmdline").read_bytes()
-            if b"vllm" not in cmd:
+            if not any(m in cmd for m in markers):
                 continue
             env = Path(f"/proc/{d}/environ").read_bytes()
         except OSError:
@@ -122,5 +126,5 @@ def collect(base: str | Path, with_ray: bool = True, netns_names: set[str] | Non
         ns = {n for n in ns & set(netns_names) if not _foreign_netns(n, base)}
     snap = {"cells": set(cs), "netns": ns, "images": images(base),
             "placement_groups": placement_groups() if with_ray else set(),
-            "processes": vllm_processes(base, cs.values())}
+            "processes": engine_processes(base, cs.values())}
     return snap

@@ -10,6 +10,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray is
 import typer
 from rich.table import Table
 
+from adapters.base import DEFAULT_ENGINE, Engine
 from relocator.cli import app
 from relocator.cli.common import console, handle_errors, print_json
 from relocator.controller.machine import PhaseFault
@@ -105,13 +106,14 @@ def status_cmd(cluster_dir: Optional[str] = CLUSTER_DIR, json_out: bool = JSON) 
 def launch_cmd(model: str = typer.Option("tiny-llama", "--model", "-m", help="tiny-llama or a model directory"),
                gpus: int = typer.Option(1, "--gpus", help="GPUs the worker takes"),
                node: Optional[str] = typer.Option(None, "--node", help="node (default: the planner places it)"),
+               engine: Engine = typer.Option(Engine(DEFAULT_ENGINE), "--engine", help="the serving engine"),
                cluster_dir: Optional[str] = CLUSTER_DIR, json_out: bool = JSON) -> None:
     """Start a worker and register it with the router; waits until it serves."""
-    w = _connect(cluster_dir).launch(model, gpus, node)
+    w = _connect(cluster_dir).launch(model, gpus, node, engine=engine.value)
     if json_out:
         print_json(w)
     else:
-        console.print(f"[green]{w['id']}[/] {w['model']} on {w['node']} ({w['gpus']} GPU) at {w['endpoint']}, "
+        console.print(f"[green]{w['id']}[/] {w['model']} ({w['engine']}) on {w['node']} ({w['gpus']} GPU) at {w['endpoint']}, "
                       f"ready in {w['launch_s']:.1f}s")
 
 

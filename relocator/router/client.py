@@ -20,10 +20,13 @@ class ControlError(Exception):
         self.body = body
 
 
-def _add_body(worker_id: str, model: str, url: str, tokenizer: str | None) -> dict:
+def _add_body(worker_id: str, model: str, url: str, tokenizer: str | None,
+              engine: str | None) -> dict:
     body = {"worker_id": worker_id, "model": model, "url": url}
     if tokenizer:
         body["tokenizer"] = tokenizer  # the model's tokenizer, for text-exact continuation
+    if engine:
+        body["engine"] = engine  # the replica's engine (default: the router's `engine`)
     return body
 
 
@@ -72,9 +75,9 @@ class RouterControl:
         return await self._call("GET", _paths()["replicas"])
 
     async def add_replica(self, worker_id: str, model: str, url: str,
-                          tokenizer: str | None = None) -> dict:
+                          tokenizer: str | None = None, engine: str | None = None) -> dict:
         return await self._call("POST", _paths()["replicas"],
-                                _add_body(worker_id, model, url, tokenizer))
+                                _add_body(worker_id, model, url, tokenizer, engine))
 
     async def remove_replica(self, worker_id: str) -> dict:
         return await self._call("DELETE", _paths(worker_id)["replica"])
@@ -119,9 +122,9 @@ class RouterControlSync:
         return self._call("GET", _paths()["replicas"])
 
     def add_replica(self, worker_id: str, model: str, url: str,
-                    tokenizer: str | None = None) -> dict:
+                    tokenizer: str | None = None, engine: str | None = None) -> dict:
         return self._call("POST", _paths()["replicas"],
-                          _add_body(worker_id, model, url, tokenizer))
+                          _add_body(worker_id, model, url, tokenizer, engine))
 
     def remove_replica(self, worker_id: str) -> dict:
         return self._call("DELETE", _paths(worker_id)["replica"])

@@ -9,13 +9,13 @@ from typing import Any
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from adapters.base import DEFAULT_ENGINE, engine_names
 from relocator.choices import registry_choice
 
-from .engine import ENGINES
 from .policies import RouterPolicy
 
-#: the continuation engines the router knows (`engine:`), from engine.py's registry
-RouterEngine = registry_choice("RouterEngine", ENGINES, __name__)
+#: the engines a replica can run (adapters' registry), and "none": streams not continued
+RouterEngine = registry_choice("RouterEngine", [*engine_names(), "none"], __name__)
 
 
 class BackendConfig(BaseModel):
@@ -25,6 +25,8 @@ class BackendConfig(BaseModel):
     #: the model's tokenizer (its directory, holding tokenizer.json, or the file): the router
     #: makes the text of continued streams from token ids with it; unset = engine's text
     tokenizer: str | None = None
+    #: the replica's engine; unset = the router's `engine`
+    engine: RouterEngine | None = None
 
     @field_validator("url")
     @classmethod
@@ -48,7 +50,8 @@ class RouterSettings(BaseSettings):
     control_token: str | None = None
     policy: RouterPolicy = RouterPolicy.LEAST_IN_FLIGHT
     policy_args: dict[str, Any] = Field(default_factory=dict)
-    engine: RouterEngine = RouterEngine.VLLM
+    #: the engine of replicas that name none (their streams' continuation codec)
+    engine: RouterEngine = RouterEngine(DEFAULT_ENGINE)
     backends: list[BackendConfig] = Field(default_factory=list)
     hold_queue_max: int = Field(1024, ge=0)
     hold_timeout_s: float = Field(60.0, gt=0)

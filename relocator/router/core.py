@@ -16,11 +16,13 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Mapping, Protocol
 
+from adapters.base import DEFAULT_ENGINE, get_codec
+from adapters.codec import ContinuationCodec, Kind
+
 from . import errors
-from .engine import ContinuationEngine, Kind, VLLMEngine
 from .errors import RouterError
-from .outtext import TokenizerRegistry
 from .stream import DONE, StreamState
+from .tokenizers import TokenizerRegistry
 from .table import Replica, ReplicaState, RoutingTable, StreamHandle
 
 log = logging.getLogger(__name__)
@@ -108,7 +110,7 @@ class _Patience:
 # ---------------------------------------------------------------------- the core
 class RouterCore:
     def __init__(self, table: RoutingTable, upstream: Upstream, *,
-                 engine: ContinuationEngine | None = None, max_body_bytes: int = 4 << 20,
+                 engine: str = DEFAULT_ENGINE, max_body_bytes: int = 4 << 20,
                  retries: int = 2, max_continuations: int = 8, continuation: bool = True,
                  hooks: Hooks | None = None, unreachable_hold_s: float = 0.0,
                  probe: Probe | None = None, probe_interval_s: float = 0.5,
@@ -118,7 +120,9 @@ class RouterCore:
         self.tokenizers = tokenizers if tokenizers is not None else TokenizerRegistry()
         self._tokenizer_checked: set[str] = set()
         self.upstream = upstream
-        self.engine = engine or VLLMEngine()
+        #: the engine of replicas registered without one
+        self.engine = engine
+        self._codecs: dict[str, ContinuationCodec] = {}
         self.max_body_bytes = max_body_bytes
         self.retries = retries
         self.max_continuations = max_continuations
@@ -130,6 +134,14 @@ class RouterCore:
                                                                               None)
         self.probe_interval_s = probe_interval_s
         self._watchers: set[asyncio.Task] = set()
+
+    def codec(self, r: Replica) -> ContinuationCodec:
+        """The continuation codec of `r`'s engine."""
+        name = r.engine or self.engine
+        c = self._codecs.get(name)
+        if c is None:
+            c = self._codecs[name] = get_codec(name)
+        return c
 
     def close(self) -> None:
         """Stop the suspect-hold watchers (the holds stay as they are)."""
@@ -248,12 +260,7 @@ class RouterCore:
     # ---- streaming -----------------------------------------------------------------------
     async def _stream(self, kind: Kind, raw: bytes, body: dict, model: str, key: str | None,
                       t0: float) -> Unary | Stream:
-        eng = self.engine
-        reason = eng.unsupported_reason(kind, body) if self.continuation else "disabled"
-        track = reason is None
-        strip = track and not eng.client_wants_token_ids(body)
-        send = eng.ask_for_token_ids(raw) if strip else raw
-        st = StreamState(eng, kind, body, track=track, strip=strip, unsupported=reason)
+        st = StreamState(kind, body, raw, continuation=self.continuation)
         path = PATHS[kind]
         tried: list[str] = []
         last: Exception | None = None
@@ -262,6 +269,7 @@ class RouterCore:
             if len(tried) > self.retries:
                 raise errors.upstream_unavailable(f"No replica of `{model}` answered: {last}")
             r = await self.table.acquire(model, key, exclude=tried)
+            send = st.use(self.codec(r))  # the replica's engine frames the stream
             handle = StreamHandle(r.worker_id)
             self.table.register(r, handle)
             self.hooks.in_flight(r.worker_id, 1)
@@ -291,14 +299,14 @@ class RouterCore:
                     self._leave(r, handle)
                 self.hooks.request_done(r.worker_id, resp.status)
                 return Unary(resp.status, data, resp.content_type or "application/json")
-            return Stream(self._pump(st, model, path, send, r, handle, resp, t0, patience))
+            return Stream(self._pump(st, model, path, r, handle, resp, t0, patience))
 
     def _leave(self, r: Replica, handle: StreamHandle) -> None:
         self.table.unregister(r, handle)
         self.table.done(r)
         self.hooks.in_flight(r.worker_id, -1)
 
-    async def _pump(self, st: StreamState, model: str, path: str, send: bytes, r: Replica,
+    async def _pump(self, st: StreamState, model: str, path: str, r: Replica,
                     handle: StreamHandle, resp: UpstreamResponse, t0: float,
                     patience: _Patience | None = None) -> AsyncIterator[bytes]:
         patience = patience or _Patience()
@@ -346,7 +354,7 @@ class RouterCore:
                     return
                 else:
                     outcome = "continued"
-                r, handle, resp = await self._reopen(st, model, path, send, r, handle, outcome,
+                r, handle, resp = await self._reopen(st, model, path, r, handle, outcome,
                                                      patience)
                 if outcome == "continued":
                     self.hooks.continued("ok")
@@ -362,7 +370,7 @@ class RouterCore:
             if st.splices:
                 self.hooks.stream_spliced(sorted(set(st.splices)))
 
-    async def _reopen(self, st: StreamState, model: str, path: str, send: bytes, r: Replica,
+    async def _reopen(self, st: StreamState, model: str, path: str, r: Replica,
                       handle: StreamHandle, outcome: str, patience: _Patience):
         """Leave the broken replica, find where to go on, open the continuation there."""
         moved = handle.moved
@@ -385,7 +393,7 @@ class RouterCore:
             self.hooks.in_flight(r.worker_id, 1)
             try:
                 if outcome == "retry":
-                    p, body = path, send
+                    p, body = path, st.use(self.codec(r))
                 else:
                     p, req = await self._continuation_request(st, r, model)
                     body = json.dumps(req).encode()
@@ -420,10 +428,8 @@ class RouterCore:
                     f"Continuation request refused by {r.worker_id}: {resp.status} {detail}")
                 self._leave(r, handle)
                 raise return_err
-            if outcome == "retry":
-                st.restart()
-            else:
-                st.begin_continuation(getattr(st, "_tokenizer", None))
+            if outcome != "retry":
+                st.begin_continuation(self.codec(r))
                 self.hooks.splice(st.splice_at)
             return r, handle, resp
         raise errors.continuation_failed(f"No replica of `{model}` could continue the stream: "
@@ -509,10 +515,9 @@ class RouterCore:
                                              "prompt's token ids.")
         sent = st.sent_ids
         if st.legs == 0:
-            st._tokenizer = await self._tokenizer(r, model, sent)  # type: ignore[attr-defined]
-        by_router = st.text is not None or getattr(st, "_tokenizer", None) is not None
-        return self.engine.continuation_request(st.kind, st.body, prompt, sent,
-                                                text_by_router=by_router)
+            st.make_text(await self._tokenizer(r, model, sent))
+        return self.codec(r).continuation_request(st.kind, st.body, prompt, sent,
+                                                  text_by_router=st.text is not None)
 
     async def _tokenizer(self, r: Replica, model: str, sample: list[int]):
         """The model's tokenizer for continued text, checked once against the engine's own
@@ -534,7 +539,8 @@ class RouterCore:
 
     async def _detokenize(self, r: Replica, model: str, ids: list[int]) -> str | None:
         """The text of `ids` from `r`'s detokenizer; None if unsupported or it failed."""
-        req = self.engine.detokenize_request(model, ids)
+        codec = self.codec(r)
+        req = codec.detokenize_request(model, ids)
         if req is None or not ids:
             return None
         try:
@@ -542,7 +548,7 @@ class RouterCore:
             try:
                 if resp.status != 200:
                     return None
-                return self.engine.parse_detokenize(json.loads(await resp.read()))
+                return codec.parse_detokenize(json.loads(await resp.read()))
             finally:
                 resp.close()
         except Exception as e:  # pragma: no cover - best effort

@@ -27,7 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .outtext import OutputText, TextParams
+from adapters.vllm.outtext import OutputText, TextParams
 
 EOS = 2
 #: characters the fake model spreads over several tokens (2, 3 and 4 UTF-8 bytes)

@@ -29,6 +29,7 @@ def dump(table: RoutingTable, tokenizers: dict[str, str] | None = None) -> dict[
             "replicas": [{"worker_id": r.worker_id, "model": r.model, "endpoint": r.endpoint,
                           "held": r.state is ReplicaState.HELD and not r.suspect,
                           "generation": r.generation,
+                          **({"engine": r.engine} if r.engine else {}),
                           **({"tokenizer": tokenizers[r.model]} if r.model in tokenizers else {})}
                          for r in table.replicas()]}
 
@@ -41,6 +42,10 @@ def save(path: str | Path, table: RoutingTable, tokenizers: dict[str, str] | Non
     with open(tmp, "w") as f:
         json.dump(dump(table, tokenizers), f, separators=(",", ":"))
     os.replace(tmp, path)
+
+
+def _engine(e: dict) -> str | None:
+    return e["engine"] if isinstance(e.get("engine"), str) and e["engine"] else None
 
 
 def tokenizers_of(replicas: list[dict]) -> dict[str, str]:
@@ -83,7 +88,7 @@ def restore(table: RoutingTable, replicas: list[dict]) -> int:
     n = 0
     for e in replicas:
         try:
-            r = table.add(e["worker_id"], e["model"], e["endpoint"])
+            r = table.add(e["worker_id"], e["model"], e["endpoint"], _engine(e))
         except ValueError as exc:  # same worker id, another model: keep the first
             log.warning("router state: %s", exc)
             continue
@@ -106,7 +111,7 @@ def follow(table: RoutingTable, replicas: list[dict]) -> list[tuple[str, str]]:
             r = table.get(w)
         except KeyError:
             try:
-                r = table.add(w, e["model"], ep)
+                r = table.add(w, e["model"], ep, _engine(e))
             except ValueError:  # pragma: no cover - model clash
                 continue
             r.generation = gen

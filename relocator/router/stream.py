@@ -5,31 +5,36 @@ regex pass records token ids (and strips them if only the router asked for them)
 After a break (`begin_continuation`): each event of the continuation is parsed and
 re-emitted in the client's original shape (same id, object, created, model; chat chunks
 stay chat chunks), usage counts are rewritten to cover the whole request. The text of every
-continued chunk is made here from its token ids (`OutputText`: the original request's
-detokenizer and stop strings, replayed), not taken from the engine, so the client's text is the
-text of an uninterrupted run whatever the splice cut (a multi-byte character, a held-back stop
-string prefix)."""
+continued chunk is made here from its token ids (the original engine's text making for the
+original request, replayed: its codec's `output_text`), not taken from the engine that
+continues, so the client's text is the text of an uninterrupted run whatever the splice cut (a
+multi-byte character, a held-back stop string prefix). Each leg may be served by another
+engine (a mixed fleet): the first leg's codec frames the stream and makes the text, each
+continuation leg's codec parses that leg."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from .engine import ContinuationEngine, Delta, Kind, dumps, parse_ids
-from .outtext import OutputText, TextParams
+from adapters.codec import ContinuationCodec, Delta, Kind, dumps, parse_ids
 
 DONE = b"data: [DONE]\n\n"
 
 
 class StreamState:
-    def __init__(self, engine: ContinuationEngine, kind: Kind, body: dict, *, track: bool,
-                 strip: bool, unsupported: str | None = None) -> None:
-        self.engine = engine
+    def __init__(self, kind: Kind, body: dict, raw: bytes = b"", *, continuation: bool = True,
+                 codec: ContinuationCodec | None = None) -> None:
         self.kind = kind
         self.body = body
-        self.track = track
-        self.strip = strip
-        self.unsupported = unsupported
+        self.raw = raw
+        self.continuation = continuation
+        self.engine: ContinuationCodec = ContinuationCodec()  # the first leg's (set by `use`)
+        self.leg_codec: ContinuationCodec = self.engine
+        self.track = False
+        self.strip = False
+        self.unsupported: str | None = None
+        self.wants_ids = False
         self.buf = b""
         self.first_event: bytes | None = None
         self.prompt_raw: bytes | None = None
@@ -42,7 +47,7 @@ class StreamState:
         self.include_usage = bool(so.get("include_usage"))
         self.continuous_usage = bool(so.get("continuous_usage_stats"))
         #: completions logprobs: text offsets of a continued leg are shifted by what came before
-        self.track_offsets = track and kind == "completions" and body.get("logprobs") is not None
+        self.track_offsets = False
         self.next_text_offset = 0
         self.leg_offset = 0
         # continuation state
@@ -52,13 +57,28 @@ class StreamState:
         self.prompt_len = 0
         self.emitted_ids = 0
         #: the original request's output text, replayed; None: the engine's text is forwarded
-        self.text: OutputText | None = None
-        self.text_exact = False
-        #: where the last splice fell (OutputText.held_back; "engine_text": no tokenizer)
+        self.text: Any | None = None
+        self.usage_sent = False
+        #: where the last splice fell (the text's `held_back()`; "engine_text": no text making)
         self.splice_at = ""
         self.splices: list[str] = []
-        self.wants_ids = engine.client_wants_token_ids(body)
-        self.usage_sent = False
+        if codec is not None:
+            self.use(codec)
+
+    def use(self, codec: ContinuationCodec) -> bytes:
+        """Nothing has reached the client yet: the stream is (again) sent to an engine with this
+        codec. Returns the request bytes to send."""
+        assert not self.sent_any
+        self.engine = self.leg_codec = codec
+        self.unsupported = (codec.unsupported_reason(self.kind, self.body) if self.continuation
+                            else "disabled")
+        self.track = self.unsupported is None
+        self.wants_ids = codec.client_wants_token_ids(self.body)
+        self.strip = self.track and not self.wants_ids
+        self.track_offsets = (self.track and self.kind == "completions"
+                              and self.body.get("logprobs") is not None)
+        self.restart()
+        return codec.ask_for_token_ids(self.raw) if self.strip else self.raw
 
     # ------------------------------------------------------------------ normal path
     def feed(self, data: bytes) -> bytes:
@@ -114,7 +134,6 @@ class StreamState:
     def restart(self) -> None:
         """The upstream broke before anything reached the client: the request is sent again
         from the start, so nothing of the broken attempt (a partial event) may remain."""
-        assert not self.sent_any
         self.buf = b""
         self.first_event = None
         self.prompt_raw = None
@@ -146,22 +165,27 @@ class StreamState:
         return out + DONE
 
     # ------------------------------------------------------------------ continuation
-    def begin_continuation(self, tokenizer: Any | None = None) -> None:
-        """The next events come from a continuation request. `tokenizer` (first leg only): the
-        model's tokenizer, to make the text from ids; None: forward the engine's text."""
+    def make_text(self, tokenizer: Any | None) -> bool:
+        """Before the first continuation: the original request's text making, fed what was
+        sent (what the engine held back stays held back). False: no text making (no tokenizer,
+        or the engine has none): the continuation's own text is forwarded."""
+        if self.text is None and tokenizer is not None:
+            self.text = self.engine.output_text(tokenizer, self.prompt_ids or [], self.body)
+            if self.text is not None:
+                self.text.replay(self.sent_ids)
+        return self.text is not None
+
+    def begin_continuation(self, codec: ContinuationCodec | None = None) -> None:
+        """The next events come from a continuation request, framed by `codec` (default: the
+        first leg's)."""
         self._ensure_tmpl()
         self.cont = True
         self.legs += 1
         self.buf = b""
+        self.leg_codec = codec or self.engine
         if self.legs == 1:
-            prompt = self.prompt_ids or []
-            self.prompt_len = len(prompt)
-            sent = self.sent_ids
-            self.emitted_ids = len(sent)
-            if tokenizer is not None and self.body.get("detokenize", True) is not False:
-                self.text = OutputText(tokenizer, prompt, TextParams.from_body(self.body))
-                self.text.replay(sent)
-                self.text_exact = True
+            self.prompt_len = len(self.prompt_ids or ())
+            self.emitted_ids = len(self.sent_ids)
         self.leg_offset = self.next_text_offset
         self.splice_at = self.text.held_back() if self.text is not None else "engine_text"
         self.splices.append(self.splice_at)
@@ -208,7 +232,7 @@ class StreamState:
                 obj = json.loads(payload)
             except ValueError:
                 continue
-            d = self.engine.parse_chunk(obj)
+            d = self.leg_codec.parse_chunk(obj)
             if d.error is not None:
                 out.append(b"data: " + dumps(d.error) + b"\n\n")
                 continue

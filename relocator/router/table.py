@@ -54,9 +54,12 @@ class Replica:
     #: API); ends on switch/release/remove, a healthy probe, or the router's timer
     suspect: bool = False
     suspect_epoch: int = 0
+    #: the worker's engine (its continuation codec); None: the router's default engine
+    engine: str | None = None
 
     def info(self) -> dict:
         return {"worker_id": self.worker_id, "model": self.model, "endpoint": self.endpoint,
+                "engine": self.engine,
                 "state": self.state.value, "in_flight": self.in_flight,
                 "held_requests": len(self.waiters), "generation": self.generation,
                 "suspect": self.suspect}
@@ -88,15 +91,17 @@ class RoutingTable:
         self._suspect_seq = 0
 
     # ---- inventory -------------------------------------------------------------------
-    def add(self, worker_id: str, model: str, endpoint: str) -> Replica:
+    def add(self, worker_id: str, model: str, endpoint: str, engine: str | None = None) -> Replica:
         endpoint = endpoint.rstrip("/")
         old = self._replicas.get(worker_id)
         if old is not None:
             if old.model != model:
                 raise ValueError(f"worker {worker_id} already serves {old.model!r}")
             old.endpoint = endpoint
+            if engine is not None:
+                old.engine = engine
             return old
-        r = Replica(worker_id, model, endpoint)
+        r = Replica(worker_id, model, endpoint, engine=engine)
         self._replicas[worker_id] = r
         self._by_model.setdefault(model, []).append(r)
         return r

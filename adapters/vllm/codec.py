@@ -1,22 +1,18 @@
-"""What the router needs from an inference engine to continue a stream elsewhere.
+"""vLLM's OpenAI server, as the router continues its streams.
 
-A continuation needs three things the OpenAI API does not give: the prompt's token ids, the
-ids of the output tokens already sent, and a way to generate from a prompt given as ids.
-`ContinuationEngine` is that small surface; `VLLMEngine` implements it for vLLM >= 0.10.2
-(`return_token_ids`), and an SGLang adapter can implement it later (SGLang returns
-`output_ids` / `input_ids` with `return_token_ids`-like options on its native API).
-
-Hot-path methods (`ask_for_token_ids`, `scan`, `strip`) work on raw bytes with one regex so
-that normal streaming stays cheap; everything else runs only when a stream is continued."""
+`"return_token_ids": true` makes every stream chunk carry `token_ids` (delta) and the first one
+`prompt_token_ids` (inside the choice for completions, at the top level for chat); without it
+vLLM still emits both keys as `null`, so replacing the arrays by `null` gives exactly the bytes
+a client would have got directly. A chat request is continued as a completions request on the
+prompt ids (the chat template was already applied). The text of a continued stream is made
+from ids with vLLM's own text making, replayed (`outtext.OutputText`)."""
 
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-Kind = Literal["completions", "chat"]
+from adapters.codec import ContinuationCodec, Delta, Kind
 
 #: request fields copied from a chat request into the completions-style continuation
 _CHAT_SAMPLING_KEYS = (
@@ -28,78 +24,8 @@ _CHAT_SAMPLING_KEYS = (
 )
 
 
-@dataclass
-class Delta:
-    """One chunk of a continuation, engine-neutral."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: Any = None
-    logprobs: Any = None
-    usage: dict | None = None
-    usage_only: bool = False
-    error: dict | None = None
-
-
-class ContinuationEngine:
-    """Interface. Subclass per engine; register in `ENGINES`."""
-
-    name = "base"
-
-    def unsupported_reason(self, kind: Kind, body: dict) -> str | None:
-        """Why a stream of this request could not be continued (None: it can)."""
-        return "engine does not support continuation"
-
-    def client_wants_token_ids(self, body: dict) -> bool:
-        return False
-
-    def ask_for_token_ids(self, raw: bytes) -> bytes:
-        """The raw request body changed so that the stream carries token ids."""
-        raise NotImplementedError
-
-    def scan(self, events: bytes) -> tuple[bytes | None, list[bytes]]:
-        """(prompt ids, [output id segments]) found in complete SSE events, unparsed."""
-        raise NotImplementedError
-
-    def strip(self, events: bytes) -> bytes:
-        """The events as the client would have got them without asking for token ids."""
-        raise NotImplementedError
-
-    def continuation_request(self, kind: Kind, body: dict, prompt_ids: list[int],
-                             sent_ids: list[int], *, text_by_router: bool = False
-                             ) -> tuple[str, dict]:
-        """(path, JSON body) of a streaming request that generates what follows `sent_ids`.
-        `text_by_router`: the router makes the text and applies stop strings itself, so the
-        engine gets none (its text of a continuation is not the original's)."""
-        raise NotImplementedError
-
-    def parse_chunk(self, obj: dict) -> Delta:
-        """One event of the continuation stream."""
-        raise NotImplementedError
-
-    def detokenize_request(self, model: str, ids: list[int]) -> tuple[str, dict] | None:
-        """(path, body) asking the engine for the text of `ids`, or None if unsupported."""
-        return None
-
-    def parse_detokenize(self, obj: dict) -> str:
-        raise NotImplementedError
-
-
-def parse_ids(segments: list[bytes]) -> list[int]:
-    out: list[int] = []
-    for seg in segments:
-        if seg:
-            out.extend(int(x) for x in seg.split(b","))
-    return out
-
-
-class VLLMEngine(ContinuationEngine):
-    """vLLM's OpenAI server. `"return_token_ids": true` makes every stream chunk carry
-    `token_ids` (delta) and the first one `prompt_token_ids` (inside the choice for
-    completions, at the top level for chat); without it vLLM still emits both keys as
-    `null`, so replacing the arrays by `null` gives exactly the bytes a client would have
-    got directly."""
+class Codec(ContinuationCodec):
+    """vLLM >= 0.10.2 (`return_token_ids`)."""
 
     name = "vllm"
     _IDS = re.compile(rb'"(prompt_token_ids|token_ids)":\[([0-9,\s]*)\]')
@@ -202,17 +128,9 @@ class VLLMEngine(ContinuationEngine):
     def parse_detokenize(self, obj: dict) -> str:
         return obj["prompt"]
 
+    def output_text(self, tokenizer: Any, prompt_ids: list[int], body: dict) -> Any | None:
+        if body.get("detokenize", True) is False:
+            return None
+        from adapters.vllm.outtext import OutputText, TextParams
 
-ENGINES: dict[str, type[ContinuationEngine]] = {"vllm": VLLMEngine, "none": ContinuationEngine}
-
-
-def make_engine(name: str) -> ContinuationEngine:
-    try:
-        return ENGINES[name]()
-    except KeyError:
-        raise ValueError(f"unknown engine {name!r}; known: {sorted(ENGINES)}") from None
-
-
-def dumps(obj: Any) -> bytes:
-    """JSON the way vLLM (pydantic) writes it: compact, UTF-8."""
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+        return OutputText(tokenizer, prompt_ids, TextParams.from_body(body))
