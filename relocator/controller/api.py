@@ -4,6 +4,8 @@
     ctl = relocator.start(nodes=2, gpus_per_node=4)      # or relocator.connect()
     w = ctl.launch("tiny-llama", gpus=2)
     print(ctl.relocate(w["id"]))                          # phases with timings
+    for ev in ctl.events():                               # phase changes, rollbacks, lost nodes, ...
+        print(ev["kind"], ev)
     ctl.down()
 """
 
@@ -13,8 +15,9 @@ import os
 
 # Ray reads this when it is first imported: keep every node and listener on loopback.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 from relocator.agent.agent import NAMESPACE
 from relocator.controller.controller import CONTROLLER_NAME
@@ -47,8 +50,8 @@ class ControllerClient:
         return self._call("status", timeout=60)
 
     def launch(self, model: str = "tiny-llama", gpus: int = 1, node: str | None = None,
-               worker_id: str | None = None, engine: str | None = None) -> dict:
-        return self._call("launch", model, gpus, node, worker_id, engine)
+               worker_id: str | None = None) -> dict:
+        return self._call("launch", model, gpus, node, worker_id)
 
     def relocate(self, worker: str, to: str | None = None, transfer: str | None = None,
                  faults: dict | None = None, wait: bool = True) -> dict:
@@ -65,6 +68,40 @@ class ControllerClient:
 
     def stop_worker(self, worker: str) -> dict:
         return self._call("stop_worker", worker)
+
+    def events(self, since: int | None = None, kinds: Iterable[str] | None = None,
+               idle_timeout: float | None = None, wait_s: float = 20.0) -> Iterator[dict]:
+        """The controller's events as they happen (relocator.controller.events.EventKind): every
+        relocation phase started and ended, rollbacks, relocations finished, nodes and workers
+        lost, replacements. Each is a dict with `seq`, `ts`, `kind` and its fields.
+
+        `since`: None = from now on; 0 = the whole stored history first; n = after event n (the
+        `seq` of the last one handled: a consumer that restarts misses nothing). `kinds`: only
+        these. `idle_timeout`: stop after that many seconds without an event (None: never).
+        Underneath, one long-poll call on the controller at a time (`wait_s` each); a restarting
+        controller is waited for (its events are stored, so none is lost)."""
+        from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
+
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        from relocator.controller.events import EventKind
+
+        wanted = {EventKind(k).value for k in kinds} if kinds is not None else None
+        retrying = Retrying(stop=stop_after_delay(120), wait=wait_fixed(0.5), reraise=True,
+                            retry=retry_if_exception_type((RayActorError, GetTimeoutError)))
+        cursor = since if since is not None else retrying(self._call, "events_cursor", timeout=60)
+        last_event = time.monotonic()
+        while True:
+            wait = wait_s if idle_timeout is None else max(0.0, min(wait_s, last_event + idle_timeout - time.monotonic()))
+            got = retrying(self._call, "wait_events", cursor, wait, timeout=wait + 60)
+            for ev in got["events"]:
+                cursor = ev["seq"]
+                last_event = time.monotonic()
+                if wanted is None or ev["kind"] in wanted:
+                    yield ev
+            cursor = max(cursor, got["cursor"])
+            if not got["events"] and idle_timeout is not None and time.monotonic() - last_event >= idle_timeout:
+                return
 
     def cells(self) -> dict:
         return self._call("cells", timeout=120)

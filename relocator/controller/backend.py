@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 from relocator.agent.agent import NAMESPACE, agent_name
-from relocator.controller.model import WorkerRecord, tokenizer_of
+from relocator.controller.model import FailureReason, WorkerRecord, tokenizer_of
 
 if TYPE_CHECKING:
     from relocator.controller.controller import Controller
@@ -20,6 +20,8 @@ NODE_CHECK_S = 1.0  # how often a waiting agent call asks whether the node is st
 
 class NodeLost(RuntimeError):
     """The node's agent cannot be reached because Ray declared the node dead."""
+
+    reason = FailureReason.NODE_LOST
 
     def __init__(self, node: str) -> None:
         super().__init__(f"node {node} is lost (Ray declared it dead)")
@@ -128,7 +130,7 @@ class RayBackend:
             w = self.ctl.store.worker(worker_id)
             if exc.status != 404 or w is None:
                 raise
-            rc.add_replica(worker_id, w.model, endpoint or w.endpoint, tokenizer_of(w), w.engine)
+            rc.add_replica(worker_id, w.model, endpoint or w.endpoint, tokenizer_of(w))
             return fn(rc)
 
     def hold(self, worker_id: str) -> None:

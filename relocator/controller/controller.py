@@ -19,9 +19,10 @@ from typing import Any, Callable
 
 from relocator.agent.agent import NAMESPACE, start_agent
 from relocator.controller.backend import NodeLost, RayBackend
+from relocator.controller.events import EventKind, EventLog
 from relocator.controller.inventory import NodeInfo, best_fit, ray_nodes
 from relocator.controller.machine import Machine, PhaseFault, check_faults
-from relocator.controller.model import RUNNING, Relocation, TransferMode, WorkerRecord, tokenizer_of
+from relocator.controller.model import FailureReason, RUNNING, Relocation, TransferMode, WorkerRecord, tokenizer_of
 from relocator.controller.store import Store
 
 CONTROLLER_NAME = "relocator-controller"
@@ -52,9 +53,11 @@ class Controller:
         self.policy = PlacementPolicy(config.get("policy", PlacementPolicy.BEST_FIT))
         self.interval = float(config.get("reconcile_interval_s", 2.0))
         self.store = Store(self.base_dir / "controller.db")
+        self.event_log = EventLog(self.store, self.base_dir / "events.jsonl")
         self.backend = RayBackend(self)
         self.machine = Machine(self.store, self.backend, keep_images=bool(config.get("keep_images", False)),
-                               keep_last_image=bool(config.get("keep_last_image", True)))
+                               keep_last_image=bool(config.get("keep_last_image", True)),
+                               on_event=self.event_log.emit)
         self._lock = threading.RLock()
         self._busy: set[str] = set()
         self._threads: dict[str, threading.Thread] = {}
@@ -67,6 +70,7 @@ class Controller:
         self._pending_reservations: set[str] = set()
         self._lost_nodes: dict[str, float] = {}  # node -> when this controller saw it lost
         self._fenced_nodes: set[str] = set()
+        self.metrics = self._serve_metrics()
         nodes = self.inventory(refresh=True)
         for name, info in nodes.items():  # agents of a running cluster: handles before recovery
             if info.alive:
@@ -95,6 +99,21 @@ class Controller:
         self.init_s = round(time.time() - self.started_at, 3)
 
     # -- plumbing -------------------------------------------------------------------------------
+    def _serve_metrics(self):
+        """The controller's /metrics (relocator.controller.metrics), or None if it cannot listen:
+        metrics never keep the controller from running."""
+        from relocator.controller.metrics import MetricsServer
+
+        try:
+            return MetricsServer(self.store, self.inventory, host=self.config.get("metrics_host", "127.0.0.1"),
+                                 port=self.config.get("metrics_port"))
+        except Exception as exc:  # noqa: BLE001
+            log.error("controller metrics not served: %s", exc)
+            return None
+
+    def emit(self, kind: EventKind, **fields: Any) -> None:
+        self.event_log.emit(kind, fields)
+
     def node_dir(self, node: str) -> Path:
         return self.base_dir / "nodes" / node
 
@@ -116,6 +135,10 @@ class Controller:
                     if not n.alive and n.id not in self._lost_nodes:  # first seen dead
                         self._lost_nodes[n.id] = time.time()
                         self._wake.set()
+                        doc = self.store.get("node", n.ray_node_id) or {"id": n.id, "ray_node_id": n.ray_node_id}
+                        if not doc.get("lost_at"):  # once per node, also across controller restarts
+                            self.store.put("node", n.ray_node_id, {**doc, "lost_at": self._lost_nodes[n.id]})
+                            self.emit(EventKind.NODE_LOST, node=n.id, ray_node_id=n.ray_node_id)
                 self._nodes_at = time.monotonic()
             return dict(self._nodes)
 
@@ -199,6 +222,7 @@ class Controller:
                     w.state = "lost"
                     w.error = f"node {w.node} is lost" if state == "lost" else f"cell {w.cell_id} is gone"
                     self.store.save_worker(w)
+                self.emit(EventKind.WORKER_LOST, worker=w.id, node=w.node, error=w.error)
             with self._lock:
                 if w.id in self._busy:
                     continue
@@ -214,8 +238,7 @@ class Controller:
             except Exception as exc:  # noqa: BLE001 - fall back to a cold start
                 log.warning("warm restart of %s from %s failed (%s); launching cold", w.id, w.last_image, exc)
                 self._best_effort(f"removing the failed restore of {w.id}", lambda: self.backend.kill(node, w.cell_id))
-        return "cold launch", self.backend.call(node, "launch", w.cell_id, w.model_dir, w.model,
-                                              engine=w.engine)
+        return "cold launch", self.backend.call(node, "launch", w.cell_id, w.model_dir, w.model, 8000)
 
     def _drop_last_image(self, w: WorkerRecord) -> None:
         if w.last_image:
@@ -242,6 +265,7 @@ class Controller:
         the streams cut with the old copy) meanwhile and continues them on the new one."""
         t0 = time.monotonic()
         old_node, old_cell, old_reservation = w.node, w.cell_id, w.reservation
+        self.emit(EventKind.REPLACEMENT_STARTED, worker=w.id, from_node=old_node, error=w.error)
         try:
             try:
                 self.backend.hold(w.id)
@@ -268,6 +292,8 @@ class Controller:
             self.store.save_worker(w)
             log.warning("replaced lost worker %s (%s on %s) by %s on %s (%s) in %.1fs", w.id, old_cell, old_node,
                         w.cell_id, node, how, time.monotonic() - t0)
+            self.emit(EventKind.REPLACEMENT_FINISHED, worker=w.id, ok=True, from_node=old_node, to_node=node,
+                      how=how, seconds=round(time.monotonic() - t0, 3), error="")
         except Exception as exc:  # noqa: BLE001
             log.error("could not replace lost worker %s: %s", w.id, exc)
             self._best_effort(f"cleaning up the failed replacement of {w.id}",
@@ -275,6 +301,8 @@ class Controller:
                               lambda: self.router().remove_replica(w.id))  # held requests get their error now
             w.state, w.error = "failed", f"lost ({w.error}); replacement failed: {exc}"
             self.store.save_worker(w)
+            self.emit(EventKind.REPLACEMENT_FINISHED, worker=w.id, ok=False, from_node=old_node, to_node=None,
+                      how=None, seconds=round(time.monotonic() - t0, 3), error=str(exc))
         finally:
             with self._lock:
                 self._busy.discard(w.id)
@@ -298,7 +326,7 @@ class Controller:
                     cur = self.store.worker(w.id)
                     if w.id in self._busy or cur is None or cur.state != "running" or cur.endpoint != w.endpoint:
                         continue
-                    rc.add_replica(w.id, w.model, w.endpoint, tokenizer_of(w), w.engine)
+                    rc.add_replica(w.id, w.model, w.endpoint, tokenizer_of(w))
                     log.warning("router: re-registered %s at %s", w.id, w.endpoint)
 
     def update_reservations(self) -> None:
@@ -324,13 +352,10 @@ class Controller:
         return f"w{i}"
 
     def launch(self, model: str = "tiny-llama", gpus: int = 1, node: str | None = None,
-               worker_id: str | None = None, engine: str | None = None) -> dict:
+               worker_id: str | None = None) -> dict:
         """Start a worker (placed by the planner unless `node` is given), wait until it serves,
         register it with the router."""
-        from adapters.base import DEFAULT_ENGINE, Engine
         from relocator.tinymodel import ensure_tiny_model
-
-        engine = Engine(engine or DEFAULT_ENGINE).value  # an unknown engine: ValueError naming them
 
         if model in ("tiny", "tiny-llama"):
             model_dir, served = str(ensure_tiny_model()), "tiny-llama"
@@ -351,18 +376,17 @@ class Controller:
                 raise ValueError(f"node {node!r} is lost")
             # cell (and netns) names are machine-wide: another cluster on this host has a w1 too
             w = WorkerRecord(id=wid, model=served, node=node, gpus=gpus, cell_id=f"{wid}-c{uuid.uuid4().hex[:6]}",
-                             reservation=f"relocator-{wid}-launch", model_dir=model_dir, state="starting",
-                             engine=engine)
+                             reservation=f"relocator-{wid}-launch", model_dir=model_dir, state="starting")
             self._pending_reservations.add(w.reservation)
             self.store.save_worker(w)
             self._busy.add(wid)
         try:
             self.backend.reserve(w, node, w.reservation)
             t0 = time.monotonic()
-            info = self.backend.call(node, "launch", w.cell_id, model_dir, served, engine=w.engine)
+            info = self.backend.call(node, "launch", w.cell_id, model_dir, served, 8000)
             w.launch_s = round(time.monotonic() - t0, 3)
             w.endpoint = info["endpoint"]
-            self.router().add_replica(wid, served, w.endpoint, tokenizer_of(w), engine)
+            self.router().add_replica(wid, served, w.endpoint, tokenizer_of(w))
             w.state = "running"
             self.store.save_worker(w)
             return {**w.to_dict(), "ready_s": info["ready_s"]}
@@ -430,8 +454,13 @@ class Controller:
                     self.machine.run(rel)
             except Exception as exc:  # noqa: BLE001
                 rel.result, rel.error = "failed", f"internal: {exc}\n{traceback.format_exc()}"
+                rel.reason = FailureReason.ERROR
                 rel.finished_at = time.time()
                 self.store.save_relocation(rel)
+                self.emit(EventKind.RELOCATION_FINISHED, relocation=rel.id, worker=rel.worker, result=rel.result,
+                          reason=rel.reason, error=f"internal: {exc}", src=rel.src, dst=rel.dst,
+                          phases=rel.phase_seconds(), image_bytes=rel.image_bytes, rollback_from=None,
+                          recovered=rel.recovered)
             finally:
                 with self._lock:
                     self._busy.discard(rel.worker)
@@ -458,7 +487,7 @@ class Controller:
                 raise RuntimeError(f"worker {worker_id} is already being relocated or started")
             self._busy.add(worker_id)
         rel = Relocation(id=Relocation.new_id(), worker=worker_id, src=w.node, dst=to,
-                         transfer=mode, faults=faults)
+                         transfer=mode, faults=faults, engine=w.engine)
         self.store.save_relocation(rel)
         self._spawn(rel)
         if not wait:
@@ -528,7 +557,20 @@ class Controller:
                          "error": w.error} for w in self.store.workers()],
             "relocations": [r.summary() for r in self.store.relocations()],
             "controller": {**self.ping(), "loop": self.loop_stats},
+            # where Prometheus scrapes (docs/observability.md) and where events go
+            "metrics": {"controller": self.metrics.url if self.metrics else None,
+                        "router": f"{self.router_url.rstrip('/')}/metrics" if self.router_url else None},
+            "events": {"log": str(self.base_dir / "events.jsonl"), "last": self.event_log.last},
         }
+
+    # -- events ------------------------------------------------------------------------------------
+    def events_cursor(self) -> int:
+        """The number of the newest event: a subscriber that starts now passes it to wait_events."""
+        return self.event_log.last
+
+    def wait_events(self, after: int, timeout: float = 20.0, limit: int = 1000) -> dict:
+        """Events numbered above `after`, waiting up to `timeout` s for one (a long poll)."""
+        return self.event_log.wait(after, min(float(timeout), 60.0), limit)
 
     def cells(self) -> dict[str, list[dict]]:
         return {name: self.backend.call(name, "cells", timeout=60) for name, info in self.inventory().items()

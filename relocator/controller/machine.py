@@ -16,6 +16,7 @@ from typing import Any, Callable, Protocol
 from tenacity import Retrying, stop_after_delay, wait_fixed
 
 from relocator.choices import Choice
+from relocator.controller.events import EventKind
 from relocator.controller.model import (
     DONE,
     FAILED,
@@ -23,9 +24,11 @@ from relocator.controller.model import (
     ROLLBACK_BEFORE,
     ROLLED_BACK,
     RUNNING,
+    FailureReason,
     Relocation,
     TransferMode,
     WorkerRecord,
+    failure_reason,
     phase_index,
 )
 from relocator.controller.store import Store
@@ -43,9 +46,17 @@ class RelocationError(RuntimeError):
 class PlanError(RelocationError):
     """The relocation cannot start (no target, incompatible, busy); nothing was touched."""
 
+    reason = FailureReason.PLAN_REFUSED
+
 
 class FaultInjected(RelocationError):
-    pass
+    reason = FailureReason.FAULT_INJECTED
+
+
+class TargetLost(RelocationError):
+    """The restored copy is not running any more (before or right after the switch)."""
+
+    reason = FailureReason.TARGET_LOST
 
 
 class SimulatedCrash(BaseException):
@@ -112,6 +123,7 @@ class Machine:
     def __init__(self, store: Store, backend: Backend, *, keep_images: bool = False, keep_last_image: bool = False,
                  on_crash: Callable[[float], None] = _default_crash,
                  on_update: Callable[[Relocation], None] | None = None,
+                 on_event: Callable[[EventKind, dict[str, Any]], Any] | None = None,
                  switch_retries: int = 3, router_retry_s: float = 5.0) -> None:
         self.store = store
         self.backend = backend
@@ -120,6 +132,7 @@ class Machine:
         self.keep_last_image = keep_last_image
         self.on_crash = on_crash
         self.on_update = on_update
+        self.on_event = on_event
         self.switch_retries = switch_retries
         self.router_retry_s = router_retry_s
 
@@ -129,10 +142,15 @@ class Machine:
         if self.on_update:
             self.on_update(rel)
 
+    def _event(self, kind: EventKind, rel: Relocation, **fields: Any) -> None:
+        if self.on_event is not None:
+            self.on_event(kind, {"relocation": rel.id, "worker": rel.worker, **fields})
+
     def _enter(self, rel: Relocation, phase: str) -> None:
         rel.phase = phase
         rel.phases.append({"name": phase, "started": time.time(), "ended": None, "ok": None, "info": {}})
         self._save(rel)  # persisted before the phase starts
+        self._event(EventKind.PHASE_STARTED, rel, phase=phase, src=rel.src, dst=rel.dst)
         crash = rel.faults.get("crash")
         if crash and crash.get("phase") == phase and not crash.get("fired"):
             crash["fired"] = True
@@ -147,6 +165,8 @@ class Machine:
         cur["ended"], cur["ok"] = time.time(), ok
         cur["info"].update(info or {})
         self._save(rel)
+        self._event(EventKind.PHASE_ENDED, rel, phase=cur["name"], ok=ok,
+                    seconds=round(cur["ended"] - cur["started"], 4), error=cur["info"].get("error", ""))
 
     def _fault(self, rel: Relocation, phase: str) -> None:
         if rel.faults.get(PhaseFault(phase.lower())):
@@ -157,6 +177,9 @@ class Machine:
         worker = self.store.worker(rel.worker)
         if worker is None:
             raise PlanError(f"unknown worker {rel.worker!r}")
+        rel.engine = rel.engine or worker.engine
+        self._event(EventKind.RELOCATION_STARTED, rel, src=rel.src, dst=rel.dst, transfer=rel.transfer,
+                    engine=rel.engine)
         for phase in PHASES:
             self._enter(rel, phase)
             try:
@@ -166,6 +189,7 @@ class Machine:
             except Exception as exc:  # noqa: BLE001 - every failure is handled below
                 self._leave(rel, False, {"error": str(exc)})
                 rel.error = f"{phase}: {exc}"
+                rel.reason = failure_reason(exc)
                 log.warning("relocation %s failed at %s: %s", rel.id, phase, exc)
                 if phase == "RELEASE":
                     # the worker serves from its target; the stopped source is cleaned up later
@@ -181,6 +205,9 @@ class Machine:
         rel.result = result
         rel.finished_at = time.time()
         self._save(rel)
+        self._event(EventKind.RELOCATION_FINISHED, rel, result=result, reason=rel.reason, error=rel.error,
+                    src=rel.src, dst=rel.dst, phases=rel.phase_seconds(), image_bytes=rel.image_bytes,
+                    rollback_from=rel.rollback.get("from_phase"), recovered=rel.recovered)
         return rel
 
     def _release_worker(self, worker: WorkerRecord) -> None:
@@ -254,7 +281,10 @@ class Machine:
         # kill the source for, a target that died after RESTORE said it was healthy.
         state = self.backend.cell_state(rel.dst, rel.dst_cell)
         if state != "running":
-            raise RelocationError(f"target copy {rel.dst_cell} on {rel.dst} is {state} {when}")
+            exc = TargetLost(f"target copy {rel.dst_cell} on {rel.dst} is {state} {when}")
+            if state == "lost":
+                exc.reason = FailureReason.NODE_LOST
+            raise exc
 
     def _p_switch(self, rel: Relocation, w: WorkerRecord) -> dict:
         self._target_alive(rel, "before the switch")
@@ -372,16 +402,22 @@ class Machine:
         rel.rollback = {"from_phase": PHASES[failed_index] if failed_index >= 0 else None,
                         "source_serving_s": round(serving_s, 4),
                         "seconds": round(time.monotonic() - t0, 4), "steps": steps, "errors": errors}
+        self._event(EventKind.ROLLBACK, rel, **rel.rollback, source_ok=source_ok)
         return self._finish(rel, ROLLED_BACK if source_ok else FAILED)
 
     def recover(self, rel: Relocation) -> Relocation:
         """Finish an open relocation found after a controller restart: from SWITCH on, roll
         forward if the target copy runs; otherwise roll back. Never leaves two live copies."""
         rel.recovered = True
+        rel.reason = FailureReason.CONTROLLER_RESTART
         idx = phase_index(rel.phase)
         log.warning("recovering relocation %s (worker %s, phase %s)", rel.id, rel.worker, rel.phase)
+        self._event(EventKind.RELOCATION_RECOVERING, rel, phase=rel.phase)
         if rel.phases and rel.phases[-1].get("ended") is None:
-            rel.phases[-1].update(ended=time.time(), ok=False, info={"interrupted": True})
+            cur = rel.phases[-1]
+            cur.update(ended=time.time(), ok=False, info={"interrupted": True})
+            self._event(EventKind.PHASE_ENDED, rel, phase=cur["name"], ok=False,
+                        seconds=round(cur["ended"] - cur["started"], 4), error="interrupted by a controller restart")
         if idx < 0:
             return self._finish(rel, ROLLED_BACK)
         if idx >= I_SWITCH:
@@ -419,5 +455,6 @@ class Machine:
 
 
 __all__ = ["Backend", "FaultInjected", "Machine", "PhaseFault", "PlanError", "RelocationError", "SimulatedCrash",
+           "TargetLost",
            "check_faults",
            "RUNNING", "DONE", "ROLLED_BACK", "FAILED"]

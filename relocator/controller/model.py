@@ -7,7 +7,6 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from adapters.base import DEFAULT_ENGINE
 from relocator.choices import Choice
 
 # The eight phases of DESIGN.md, in order. Each is persisted before it starts.
@@ -15,6 +14,30 @@ PHASES = ("PLAN", "RESERVE", "HOLD", "DUMP", "TRANSFER", "RESTORE", "SWITCH", "R
 ROLLBACK_BEFORE = PHASES.index("SWITCH")  # a failure in a phase before SWITCH rolls back
 
 RUNNING, DONE, ROLLED_BACK, FAILED = "running", "done", "rolled_back", "failed"
+
+
+class FailureReason(Choice):
+    """Why a relocation did not simply succeed: a bounded set (it is a metric label)."""
+
+    NONE = "none"  # nothing went wrong
+    PLAN_REFUSED = "plan_refused"  # no target, incompatible, busy: nothing was touched
+    FAULT_INJECTED = "fault_injected"
+    NODE_LOST = "node_lost"  # a node (source or target) was declared dead
+    TARGET_LOST = "target_lost"  # the restored copy died before the switch
+    TIMEOUT = "timeout"
+    CONTROLLER_RESTART = "controller_restart"  # finished by a restarted controller
+    ERROR = "error"  # anything else (the record's `error` says what)
+
+
+def failure_reason(exc: BaseException) -> FailureReason:
+    """The reason an exception stands for: its `reason` attribute (the controller's own
+    errors carry one), a timeout, or `error`."""
+    reason = getattr(exc, "reason", None)
+    if isinstance(reason, FailureReason):
+        return reason
+    if isinstance(exc, TimeoutError):
+        return FailureReason.TIMEOUT
+    return FailureReason.ERROR
 
 
 class TransferMode(Choice):
@@ -34,7 +57,7 @@ class WorkerRecord:
     model: str
     node: str
     gpus: int
-    engine: str = DEFAULT_ENGINE
+    engine: str = "vllm"
     cell_id: str = ""
     endpoint: str = ""
     state: str = "starting"  # starting | running | relocating | lost | failed | stopped
@@ -85,6 +108,8 @@ class Relocation:
     dst_image_dir: str = ""
     image_bytes: int = 0
     transfer: TransferMode = TransferMode.SHARED
+    engine: str = ""  # the worker's engine (a metric label)
+    reason: FailureReason = FailureReason.NONE  # set when it finishes
     reservation: str = ""  # the target's reservation (placement group name)
     src_reservation: str = ""
     faults: dict[str, Any] = field(default_factory=dict)
@@ -96,6 +121,7 @@ class Relocation:
 
     def __post_init__(self) -> None:
         self.transfer = TransferMode(self.transfer)  # a stored or passed string; unknown: ValueError
+        self.reason = FailureReason(self.reason)
 
     @staticmethod
     def new_id() -> str:
@@ -119,7 +145,8 @@ class Relocation:
         return {"id": self.id, "worker": self.worker, "from": self.src, "to": self.dst,
                 "phase": self.phase, "result": self.result, "error": self.error,
                 "phases": self.phase_seconds(), "image_bytes": self.image_bytes,
-                "transfer": self.transfer, "rollback": self.rollback, "recovered": self.recovered,
+                "transfer": self.transfer, "engine": self.engine, "reason": self.reason,
+                "rollback": self.rollback, "recovered": self.recovered,
                 "created_at": self.created_at, "finished_at": self.finished_at}
 
 

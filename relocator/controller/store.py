@@ -26,6 +26,8 @@ class Store:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("CREATE TABLE IF NOT EXISTS docs (kind TEXT, id TEXT, body TEXT, "
                          "PRIMARY KEY (kind, id))")
+        # events: append-only, numbered (the number is a subscriber's cursor)
+        self._db.execute("CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, body TEXT)")
 
     def close(self) -> None:
         with self._lock:
@@ -50,6 +52,27 @@ class Store:
     def delete(self, kind: str, key: str) -> None:
         with self._lock:
             self._db.execute("DELETE FROM docs WHERE kind=? AND id=?", (kind, key))
+
+    # -- events ----------------------------------------------------------------------------
+    def append_event(self, body: dict[str, Any], keep: int = 100_000) -> int:
+        """Append one event; returns its number. Only the newest `keep` are kept."""
+        with self._lock:
+            seq = int(self._db.execute("INSERT INTO events (body) VALUES (?)", (json.dumps(body, default=str),)).lastrowid)
+            if seq % 1000 == 0:
+                self._db.execute("DELETE FROM events WHERE seq <= ?", (seq - keep,))
+        return seq
+
+    def events_after(self, seq: int, limit: int = 1000) -> list[dict[str, Any]]:
+        """Events numbered above `seq`, oldest first, each with its `seq`."""
+        with self._lock:
+            rows = self._db.execute("SELECT seq, body FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
+                                    (seq, limit)).fetchall()
+        return [{"seq": n, **json.loads(body)} for n, body in rows]
+
+    def last_event_seq(self) -> int:
+        with self._lock:
+            row = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'events'").fetchone()
+        return int(row[0]) if row else 0
 
     # -- typed -----------------------------------------------------------------------------
     def save_worker(self, w: WorkerRecord) -> None:

@@ -44,6 +44,14 @@ class PromHooks(Hooks):
                                     ["outcome"], registry=r)
         self.errors = Counter("relocator_router_errors", "Requests refused by the router",
                               ["code"], registry=r)
+        # not relocator_router_*: it is the relocation's figure (docs/observability.md), the
+        # router is only where it can be measured
+        self.blackout_h = Histogram(
+            "relocator_relocation_blackout_seconds",
+            "Per switch of a worker with streams in flight (a relocation, its rollback, or a "
+            "replacement): the longest pause one of those client streams saw, from its last "
+            "bytes before to its first bytes after",
+            buckets=(.05, .1, .25, .5, 1, 2, 3, 5, 10, 20, 30, 60, 120), registry=r)
 
     def request_done(self, worker: str, status: int) -> None:
         self.requests.labels(worker, str(status)).inc()
@@ -72,6 +80,9 @@ class PromHooks(Hooks):
 
     def suspect_end(self, worker: str, outcome: str) -> None:
         self.suspect_ends.labels(outcome).inc()
+
+    def blackout(self, seconds: float) -> None:
+        self.blackout_h.observe(seconds)
 
     def held_changed(self, n: int) -> None:
         self.held.set(n)

@@ -7,6 +7,7 @@ closes the generator and with it the upstream request."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import errno
 import hmac
 import json
@@ -23,14 +24,15 @@ from aiohttp import web
 from relocator.choices import LogLevel
 
 from . import errors
-from .config import RouterEngine, RouterSettings
+from .config import RouterSettings
 from .core import RouterCore, Stream, Unary, UpstreamError
+from .engine import make_engine
 from .errors import RouterError
 from .metrics import PromHooks
 from .policies import make_policy
 from .table import RoutingTable
 from . import state as state_io
-from .tokenizers import TokenizerRegistry
+from .outtext import TokenizerRegistry
 
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
@@ -135,6 +137,77 @@ class AiohttpUpstream:
         await self.session.close()
 
 
+# ---------------------------------------------------------------------- blackout measure
+class _ClientStream:
+    """One client stream as this server writes it: the worker it is on (set when the core
+    registers its upstream request in the table) and when it last got bytes."""
+
+    __slots__ = ("worker", "last", "pause")
+
+    def __init__(self) -> None:
+        self.worker: str | None = None
+        self.last = time.monotonic()
+        self.pause: _Pause | None = None
+
+    def wrote(self) -> None:
+        now = time.monotonic()
+        if self.pause is not None:
+            self.pause.resumed(self, now - self.last)
+            self.pause = None
+        self.last = now
+
+
+class _Pause:
+    """The client streams one switch of a worker cut over, until each got bytes again or ended:
+    the longest pause among them is observed once, when the last one is back."""
+
+    __slots__ = ("waiting", "longest", "observe")
+
+    def __init__(self, streams: list[_ClientStream], observe) -> None:
+        self.waiting = set(streams)
+        self.longest: float | None = None
+        self.observe = observe
+        for cs in streams:
+            if cs.pause is not None:  # switched again before it resumed: this switch measures it
+                cs.pause.gone(cs)
+            cs.pause = self
+
+    def resumed(self, cs: _ClientStream, seconds: float) -> None:
+        self.longest = seconds if self.longest is None else max(self.longest, seconds)
+        self.gone(cs)
+
+    def gone(self, cs: _ClientStream) -> None:
+        self.waiting.discard(cs)
+        if not self.waiting and self.longest is not None:
+            self.observe(self.longest)
+            self.longest = None
+
+
+#: the client stream of the request the current task serves (read by the table on register)
+_current_stream: contextvars.ContextVar[_ClientStream | None] = contextvars.ContextVar(
+    "relocator_client_stream", default=None)
+
+
+class _WatchedTable(RoutingTable):
+    """The routing table, telling the server which worker each client stream is on and when a
+    worker is switched (control API or, while draining, the state file): what the blackout
+    measure (`relocator_relocation_blackout_seconds`) needs."""
+
+    def __init__(self, *args: Any, on_switch, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.on_switch = on_switch
+
+    def register(self, r, handle) -> None:
+        super().register(r, handle)
+        cs = _current_stream.get()
+        if cs is not None:
+            cs.worker = handle.worker_id
+
+    def switch(self, worker_id: str, endpoint: str, *, release: bool = True) -> dict:
+        self.on_switch(worker_id)
+        return super().switch(worker_id, endpoint, release=release)
+
+
 # ---------------------------------------------------------------------- helpers
 def _err(e: RouterError) -> web.Response:
     return web.Response(status=e.status, body=e.json_body(), content_type="application/json")
@@ -156,15 +229,17 @@ async def _openai_errors(request: web.Request, handler):
 class RouterServer:
     def __init__(self, settings: RouterSettings | None = None) -> None:
         self.settings = s = settings or RouterSettings()
-        self.table = RoutingTable(make_policy(s.policy, **s.policy_args),
-                                  hold_queue_max=s.hold_queue_max,
-                                  hold_timeout_s=s.hold_timeout_s,
-                                  prefer_sibling_when_held=s.prefer_sibling_when_held)
+        self.table = _WatchedTable(make_policy(s.policy, **s.policy_args),
+                                   hold_queue_max=s.hold_queue_max,
+                                   hold_timeout_s=s.hold_timeout_s,
+                                   prefer_sibling_when_held=s.prefer_sibling_when_held,
+                                   on_switch=self._pause_streams)
+        #: client streams being written, for the blackout measure
+        self._client_streams: set[_ClientStream] = set()
         #: per model, the tokenizer continued streams' text is made with
         self.tokenizers = TokenizerRegistry()
         for i, b in enumerate(s.backends):
-            self.table.add(b.worker_id or f"{b.model}-{i}", b.model, b.url,
-                           b.engine.value if b.engine else None)
+            self.table.add(b.worker_id or f"{b.model}-{i}", b.model, b.url)
             if b.tokenizer:
                 self.tokenizers.register(b.model, b.tokenizer)
         if s.state_file is not None:  # newer than the config: it wins
@@ -193,7 +268,7 @@ class RouterServer:
     async def start(self) -> "RouterServer":
         s = self.settings
         self.upstream = AiohttpUpstream(s.connect_timeout_s, s.pool_limit, s.upstream_dead_peer_s)
-        self.core = RouterCore(self.table, self.upstream, engine=s.engine.value,
+        self.core = RouterCore(self.table, self.upstream, engine=make_engine(s.engine),
                                max_body_bytes=s.max_body_bytes, retries=s.retries,
                                max_continuations=s.max_continuations,
                                continuation=s.continuation, hooks=self.hooks,
@@ -407,6 +482,8 @@ class RouterServer:
     async def _proxy(self, request: web.Request, kind: str) -> web.StreamResponse:
         raw = await self._read_body(request)
         assert self.core is not None
+        cs = _ClientStream()
+        _current_stream.set(cs)
         try:
             res = await self.core.handle(kind, raw, request.headers)  # type: ignore[arg-type]
         except RouterError as e:
@@ -415,11 +492,20 @@ class RouterServer:
         if isinstance(res, Unary):
             return web.Response(status=res.status, body=res.body,
                                 headers={"Content-Type": res.content_type})
-        return await self._write_stream(request, res)
+        return await self._write_stream(request, res, cs)
 
-    async def _write_stream(self, request: web.Request, res: Stream) -> web.StreamResponse:
+    def _pause_streams(self, worker_id: str) -> None:
+        """A switch of `worker_id`: measure the pause of the client streams it cuts over."""
+        streams = [cs for cs in self._client_streams if cs.worker == worker_id]
+        if streams:
+            _Pause(streams, self.hooks.blackout)
+
+    async def _write_stream(self, request: web.Request, res: Stream,
+                            cs: _ClientStream | None = None) -> web.StreamResponse:
         gen = res.chunks
         resp: web.StreamResponse | None = None
+        if cs is not None:
+            self._client_streams.add(cs)
         try:
             async for chunk in gen:
                 if resp is None:
@@ -427,6 +513,8 @@ class RouterServer:
                     if self.draining:
                         resp.force_close()
                     await resp.prepare(request)
+                if cs is not None:
+                    cs.wrote()
                 await resp.write(chunk)
         except RouterError as e:  # raised before the first byte
             if resp is None:
@@ -436,6 +524,10 @@ class RouterServer:
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             pass  # client went away; finally closes the upstream
         finally:
+            if cs is not None:
+                self._client_streams.discard(cs)
+                if cs.pause is not None:
+                    cs.pause.gone(cs)
             await gen.aclose()  # type: ignore[attr-defined]
         if resp is None:
             resp = web.StreamResponse(status=res.status, headers=SSE_HEADERS)
@@ -505,14 +597,8 @@ class RouterServer:
                    else "tokenizer must be a path")
             if why:
                 raise errors.bad_request(f"tokenizer: {why}", param="tokenizer")
-        engine = b.get("engine")
-        if engine is not None:
-            try:
-                engine = RouterEngine(engine).value
-            except ValueError as e:
-                raise errors.bad_request(str(e), param="engine") from None
         try:
-            r = self.table.add(b["worker_id"], b["model"], b["url"], engine)
+            r = self.table.add(b["worker_id"], b["model"], b["url"])
         except ValueError as e:
             raise RouterError(409, str(e), code="conflict") from None
         if tok:
