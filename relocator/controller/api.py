@@ -50,8 +50,8 @@ class ControllerClient:
         return self._call("status", timeout=60)
 
     def launch(self, model: str = "tiny-llama", gpus: int = 1, node: str | None = None,
-               worker_id: str | None = None) -> dict:
-        return self._call("launch", model, gpus, node, worker_id)
+               worker_id: str | None = None, engine: str | None = None) -> dict:
+        return self._call("launch", model, gpus, node, worker_id, engine)
 
     def relocate(self, worker: str, to: str | None = None, transfer: str | None = None,
                  faults: dict | None = None, wait: bool = True) -> dict:

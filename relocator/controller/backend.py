@@ -130,7 +130,7 @@ class RayBackend:
             w = self.ctl.store.worker(worker_id)
             if exc.status != 404 or w is None:
                 raise
-            rc.add_replica(worker_id, w.model, endpoint or w.endpoint, tokenizer_of(w))
+            rc.add_replica(worker_id, w.model, endpoint or w.endpoint, tokenizer_of(w), w.engine)
             return fn(rc)
 
     def hold(self, worker_id: str) -> None:

@@ -238,7 +238,8 @@ class Controller:
             except Exception as exc:  # noqa: BLE001 - fall back to a cold start
                 log.warning("warm restart of %s from %s failed (%s); launching cold", w.id, w.last_image, exc)
                 self._best_effort(f"removing the failed restore of {w.id}", lambda: self.backend.kill(node, w.cell_id))
-        return "cold launch", self.backend.call(node, "launch", w.cell_id, w.model_dir, w.model, 8000)
+        return "cold launch", self.backend.call(node, "launch", w.cell_id, w.model_dir, w.model,
+                                              engine=w.engine)
 
     def _drop_last_image(self, w: WorkerRecord) -> None:
         if w.last_image:
@@ -326,7 +327,7 @@ class Controller:
                     cur = self.store.worker(w.id)
                     if w.id in self._busy or cur is None or cur.state != "running" or cur.endpoint != w.endpoint:
                         continue
-                    rc.add_replica(w.id, w.model, w.endpoint, tokenizer_of(w))
+                    rc.add_replica(w.id, w.model, w.endpoint, tokenizer_of(w), w.engine)
                     log.warning("router: re-registered %s at %s", w.id, w.endpoint)
 
     def update_reservations(self) -> None:
@@ -352,10 +353,13 @@ class Controller:
         return f"w{i}"
 
     def launch(self, model: str = "tiny-llama", gpus: int = 1, node: str | None = None,
-               worker_id: str | None = None) -> dict:
+               worker_id: str | None = None, engine: str | None = None) -> dict:
         """Start a worker (placed by the planner unless `node` is given), wait until it serves,
         register it with the router."""
+        from adapters.base import DEFAULT_ENGINE, Engine
         from relocator.tinymodel import ensure_tiny_model
+
+        engine = Engine(engine or DEFAULT_ENGINE).value  # an unknown engine: ValueError naming them
 
         if model in ("tiny", "tiny-llama"):
             model_dir, served = str(ensure_tiny_model()), "tiny-llama"
@@ -376,17 +380,18 @@ class Controller:
                 raise ValueError(f"node {node!r} is lost")
             # cell (and netns) names are machine-wide: another cluster on this host has a w1 too
             w = WorkerRecord(id=wid, model=served, node=node, gpus=gpus, cell_id=f"{wid}-c{uuid.uuid4().hex[:6]}",
-                             reservation=f"relocator-{wid}-launch", model_dir=model_dir, state="starting")
+                             reservation=f"relocator-{wid}-launch", model_dir=model_dir, state="starting",
+                             engine=engine)
             self._pending_reservations.add(w.reservation)
             self.store.save_worker(w)
             self._busy.add(wid)
         try:
             self.backend.reserve(w, node, w.reservation)
             t0 = time.monotonic()
-            info = self.backend.call(node, "launch", w.cell_id, model_dir, served, 8000)
+            info = self.backend.call(node, "launch", w.cell_id, model_dir, served, engine=w.engine)
             w.launch_s = round(time.monotonic() - t0, 3)
             w.endpoint = info["endpoint"]
-            self.router().add_replica(wid, served, w.endpoint, tokenizer_of(w))
+            self.router().add_replica(wid, served, w.endpoint, tokenizer_of(w), engine)
             w.state = "running"
             self.store.save_worker(w)
             return {**w.to_dict(), "ready_s": info["ready_s"]}

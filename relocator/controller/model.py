@@ -7,6 +7,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from adapters.base import DEFAULT_ENGINE
 from relocator.choices import Choice
 
 # The eight phases of DESIGN.md, in order. Each is persisted before it starts.
@@ -57,7 +58,7 @@ class WorkerRecord:
     model: str
     node: str
     gpus: int
-    engine: str = "vllm"
+    engine: str = DEFAULT_ENGINE
     cell_id: str = ""
     endpoint: str = ""
     state: str = "starting"  # starting | running | relocating | lost | failed | stopped

@@ -24,15 +24,14 @@ from aiohttp import web
 from relocator.choices import LogLevel
 
 from . import errors
-from .config import RouterSettings
+from .config import RouterEngine, RouterSettings
 from .core import RouterCore, Stream, Unary, UpstreamError
-from .engine import make_engine
 from .errors import RouterError
 from .metrics import PromHooks
 from .policies import make_policy
 from .table import RoutingTable
 from . import state as state_io
-from .outtext import TokenizerRegistry
+from .tokenizers import TokenizerRegistry
 
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
@@ -239,7 +238,8 @@ class RouterServer:
         #: per model, the tokenizer continued streams' text is made with
         self.tokenizers = TokenizerRegistry()
         for i, b in enumerate(s.backends):
-            self.table.add(b.worker_id or f"{b.model}-{i}", b.model, b.url)
+            self.table.add(b.worker_id or f"{b.model}-{i}", b.model, b.url,
+                           b.engine.value if b.engine else None)
             if b.tokenizer:
                 self.tokenizers.register(b.model, b.tokenizer)
         if s.state_file is not None:  # newer than the config: it wins
@@ -268,7 +268,7 @@ class RouterServer:
     async def start(self) -> "RouterServer":
         s = self.settings
         self.upstream = AiohttpUpstream(s.connect_timeout_s, s.pool_limit, s.upstream_dead_peer_s)
-        self.core = RouterCore(self.table, self.upstream, engine=make_engine(s.engine),
+        self.core = RouterCore(self.table, self.upstream, engine=s.engine.value,
                                max_body_bytes=s.max_body_bytes, retries=s.retries,
                                max_continuations=s.max_continuations,
                                continuation=s.continuation, hooks=self.hooks,
@@ -597,8 +597,14 @@ class RouterServer:
                    else "tokenizer must be a path")
             if why:
                 raise errors.bad_request(f"tokenizer: {why}", param="tokenizer")
+        engine = b.get("engine")
+        if engine is not None:
+            try:
+                engine = RouterEngine(engine).value
+            except ValueError as e:
+                raise errors.bad_request(str(e), param="engine") from None
         try:
-            r = self.table.add(b["worker_id"], b["model"], b["url"])
+            r = self.table.add(b["worker_id"], b["model"], b["url"], engine)
         except ValueError as e:
             raise RouterError(409, str(e), code="conflict") from None
         if tok:
