@@ -88,7 +88,7 @@ def test_tuning_reaches_ratio_and_is_seeded(tmp_path):
 @pytest.mark.parametrize(
     "mutate, line, column, text",
     [
-        (lambda rows, hdr: (rows, [h for h in hdr if h != "gpu_milli"]), 1, "gpu_milli", "missing column"),
+        (lambda rows, hdr: (rows, [h for h in hdr if h != "num_gpu"]), 1, "num_gpu", "missing column"),
         (lambda rows, hdr: (rows[:3] + [rows[3][:1] + ["-5"] + rows[3][2:]] + rows[4:], hdr), 5, "cpu_milli", "negative"),
         (lambda rows, hdr: (rows[:2] + [rows[2][:3] + ["two"] + rows[2][4:]] + rows[3:], hdr), 4, "num_gpu", "integer"),
         (lambda rows, hdr: (rows[:1] + [rows[1][:4] + ["1500"] + rows[1][5:]] + rows[2:], hdr), 3, "gpu_milli", "1..1000"),
@@ -99,7 +99,7 @@ def test_bad_pod_trace_names_file_line_column(tmp_path, mutate, line, column, te
     hdr = list(POD_HDR)
     rows, hdr2 = mutate([list(map(str, r)) for r in rows], hdr)
     if hdr2 != hdr:  # drop that column from the rows too
-        idx = hdr.index("gpu_milli")
+        idx = hdr.index("num_gpu")
         rows = [r[:idx] + r[idx + 1 :] for r in rows]
     p = write(tmp_path / "pods.csv", hdr2, rows)
     with pytest.raises(TraceError) as ei:

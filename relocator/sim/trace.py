@@ -15,7 +15,15 @@ REFERENCE_FILE = "fgd_reference_default.csv"
 ENV_DIR = "RELOCATOR_OPENB_DIR"
 
 NODE_COLUMNS = ("sn", "cpu_milli", "memory_mib", "gpu", "model")
-POD_COLUMNS = ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli", "gpu_spec", "creation_time")
+POD_COLUMNS = ("name", "cpu_milli", "num_gpu")
+"""Columns every pod list must have. The others default as the authors' loader
+(alibaba/clusterdata ``cluster-trace-gpu-v2023/pod_csv_to_yaml.py``) defaults them: no
+``memory_mib``: no memory request (0); no ``gpu_milli``: whole GPUs (1000 per GPU); no
+``gpu_spec``: any GPU model. Their loader does not read ``qos`` or the times at all; here an
+absent ``qos`` is empty, an absent ``creation_time`` is 0 and absent deletion/scheduled times
+are unknown (``None``). The multi-GPU variants (``openb_pod_list_multigpu*.csv``) have only
+``name,cpu_milli,memory_mib,num_gpu,gpu_milli``."""
+POD_OPTIONAL = ("memory_mib", "gpu_milli", "gpu_spec", "qos", "pod_phase", "creation_time", "deletion_time", "scheduled_time")
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -41,8 +49,22 @@ class TraceError(ValueError):
 
 @dataclass(frozen=True)
 class TracePod:
+    """One pod of a pod list: its resources, submission time (seconds), and, where the list has
+    them, deletion and scheduling times (``None``: unknown), QoS class and phase (``""``)."""
+
     workload: Workload
     creation_time: int
+    deletion_time: int | None = None
+    scheduled_time: int | None = None
+    qos: str = ""
+    pod_phase: str = ""
+
+    @property
+    def duration(self) -> int | None:
+        """Seconds from creation to deletion (``None`` if the list has no deletion time)."""
+        if self.deletion_time is None:
+            return None
+        return max(0, self.deletion_time - self.creation_time)
 
 
 def repo_root() -> Path:
@@ -132,23 +154,31 @@ def load_pods(path: Path | str) -> list[TracePod]:
         if not name:
             raise TraceError(path, line, "name", "empty pod name")
         cpu = _int(path, line, "cpu_milli", r["cpu_milli"])
-        mem = _int(path, line, "memory_mib", r["memory_mib"])
+        mem = _int(path, line, "memory_mib", r.get("memory_mib", ""), allow_empty=True)
         num = _int(path, line, "num_gpu", r["num_gpu"])
-        milli = _int(path, line, "gpu_milli", r["gpu_milli"])
-        ct = _int(path, line, "creation_time", r["creation_time"], allow_empty=True)
+        milli = _int(path, line, "gpu_milli", r.get("gpu_milli", ""), allow_empty=True, default=MILLI if num else 0)
+        ct = _int(path, line, "creation_time", r.get("creation_time", ""), allow_empty=True)
+        dt = _opt_int(path, line, "deletion_time", r.get("deletion_time", ""))
+        st = _opt_int(path, line, "scheduled_time", r.get("scheduled_time", ""))
+        if dt is not None and dt < ct:
+            raise TraceError(path, line, "deletion_time", f"before creation_time ({dt} < {ct})")
         if num == 0 and milli != 0:
             raise TraceError(path, line, "gpu_milli", f"must be 0 for a pod without GPUs, found {milli}")
         if num > 0 and not 0 < milli <= MILLI:
             raise TraceError(path, line, "gpu_milli", f"must be in 1..{MILLI} for a GPU pod, found {milli}")
         if num > 1 and milli != MILLI:
             raise TraceError(path, line, "gpu_milli", f"multi-GPU pods take whole GPUs (1000), found {milli}")
-        spec = r["gpu_spec"] or None
+        spec = r.get("gpu_spec", "") or None
         if spec and "|" in spec:
             spec = spec.split("|")[0]  # several accepted models: the planner takes one; keep the first
         bytes_ = mem * MIB + (num * milli * GPU_STATE_BYTES) // MILLI
         w = Workload(name, cpu, mem, num, milli, spec, True, bytes_)
-        pods.append(TracePod(w, ct))
+        pods.append(TracePod(w, ct, dt, st, r.get("qos", ""), r.get("pod_phase", "")))
     return pods
+
+
+def _opt_int(path: Path, line: int, col: str, value: str) -> int | None:
+    return None if value == "" else _int(path, line, col, value)
 
 
 def load_reference(path: Path | str) -> list[dict[str, str]]:
