@@ -161,3 +161,22 @@ async def test_router_measures_the_blackout_of_a_switch(tmp_path) -> None:
         await srv.stop()
         for r in runners:
             await r.cleanup()
+
+
+def test_dashboard_reads_only_these_metrics(store) -> None:
+    import re
+    from pathlib import Path
+
+    from prometheus_client import generate_latest
+
+    from relocator.router.metrics import PromHooks
+
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    text = generate_latest(registry(store, lambda: NODES)) + generate_latest(PromHooks().registry)
+    exposed = {f.name + sfx for f in text_string_to_metric_families(text.decode()) for sfx in suffixes[f.type]}
+    dash = json.loads((Path(__file__).parents[1] / "docs" / "grafana" / "relocator.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"\b[a-z_]+(?=[{\[ )]|$)", e) if m.startswith("relocator_")}
+    assert used and used <= exposed, used - exposed
+    assert {"relocator_relocation_blackout_seconds_bucket", "relocator_rollbacks_total",
+            "relocator_node_gpus"} <= used

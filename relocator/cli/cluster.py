@@ -79,6 +79,9 @@ def status_cmd(cluster_dir: Optional[str] = CLUSTER_DIR, json_out: bool = JSON) 
         print_json(st)
         return
     console.print(f"router: {st['router_url']}")
+    metrics = st.get("metrics") or {}
+    console.print(f"metrics: controller {metrics.get('controller')}, router {metrics.get('router')}; "
+                  f"events: {(st.get('events') or {}).get('log')}")
     t = Table(title="nodes")
     for c in ("node", "GPUs", "free", "state"):
         t.add_column(c)
@@ -99,6 +102,26 @@ def status_cmd(cluster_dir: Optional[str] = CLUSTER_DIR, json_out: bool = JSON) 
         for r in st["relocations"]:
             t.add_row(r["id"], r["worker"], r["from"], str(r["to"]), str(r["phase"]), r["result"])
         console.print(t)
+
+
+@app.command("events")
+@handle_errors
+def events_cmd(since: Optional[int] = typer.Option(None, help="after this event number (0: the whole stored "
+                                                          "history; default: from now)"),
+               follow: bool = typer.Option(True, "--follow/--no-follow", help="keep waiting for new events"),
+               cluster_dir: Optional[str] = CLUSTER_DIR, json_out: bool = JSON) -> None:
+    """The controller's events as they happen: relocation phases, rollbacks, lost nodes and workers,
+    replacements (docs/observability.md). One JSON object per line with --json."""
+    import json
+
+    from rich.markup import escape
+
+    for ev in _connect(cluster_dir).events(since=since, idle_timeout=None if follow else 0):
+        if json_out:
+            typer.echo(json.dumps(ev, default=str))
+        else:
+            rest = {k: v for k, v in ev.items() if k not in ("seq", "ts", "kind")}
+            console.print(f"{ev['seq']:>6} [bold]{ev['kind']}[/] " + escape(" ".join(f"{k}={v}" for k, v in rest.items())))
 
 
 @app.command("launch")
