@@ -23,7 +23,7 @@ def bench_replay(
     policy: str = typer.Option("fgd,best-fit", "--policy", callback=POLICY_LIST, help="Policies, comma-separated."),
     mode: str = typer.Option(",".join(ReplayMode.values()), "--mode", callback=MODE_LIST, help="Modes, comma-separated."),
     load: str = typer.Option("1.3", "--load", callback=load_list_option, help="Offered loads, comma-separated."),
-    queue: QueueDiscipline = typer.Option(QueueDiscipline.BACKFILL, "--queue", help="fifo or backfill."),
+    queue: QueueDiscipline = typer.Option(QueueDiscipline.FIFO, "--queue", help="fifo or backfill."),
     seed: int = typer.Option(42, "--seed", help="Seed."),
     passes: int = typer.Option(4, "--passes", help="Passes of the pod list (the first is warm-up)."),
     moves_per_pod: int = typer.Option(4, "--moves-per-pod", help="Most moves to seat one pod."),

@@ -108,7 +108,7 @@ def replay_cmd(
     policy: str = typer.Option("fgd", "--policy", callback=POLICY_LIST, help="Placement policies, comma-separated."),
     mode: str = typer.Option("none,moves", "--mode", callback=MODE_LIST, help=f"Modes, comma-separated: {', '.join(ReplayMode.values())}."),
     load: str = typer.Option("1.3", "--load", callback=load_list_option, help="Offered loads (x GPU capacity), comma-separated: 1.0,1.3,1.6."),
-    queue: QueueDiscipline = typer.Option(QueueDiscipline.BACKFILL, "--queue", help="fifo: only the head starts; backfill: pods behind a blocked head may start."),
+    queue: QueueDiscipline = typer.Option(QueueDiscipline.FIFO, "--queue", help="fifo: only the head starts; backfill: pods behind a blocked head may start."),
     seed: int = typer.Option(42, "--seed", help="Seed (policy ties, donor times)."),
     passes: int = typer.Option(4, "--passes", help="Times the pod list is replayed back to back; the first pass warms the cluster up and is not measured."),
     moves_per_pod: int = typer.Option(4, "--moves-per-pod", help="Most moves to seat one pod."),

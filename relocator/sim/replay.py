@@ -317,6 +317,8 @@ class Replay:
         self.waiting: set[int] = set()  # heads with a flight under way
         self.flights: dict[int, _Flight] = {}
         self.fids = 0
+        self.held: dict[int, int] = {}  # node -> flights seating a head there
+        self.mask: np.ndarray | None = None  # nodes other pods may start on (None: all)
         self.used = 0  # GPU milli of running (real) pods
         self.arrived = 0
         self.release_clock = 0
@@ -435,26 +437,34 @@ class Replay:
     def _serve(self) -> None:
         if not self.queue:
             return
-        backfill = self.queue_kind is QueueDiscipline.BACKFILL
-        # the head(s): FIFO until one is blocked
-        while self.queue:
-            hid = self.queue[0]
+        # FIFO: the first pod that is not already waiting for its moves is the head; a head
+        # whose moves are under way has its node (nobody else may start there) and does not block
+        q = self.queue
+        i = 0
+        while i < len(q):
+            hid = q[i]
             if hid in self.waiting:
-                break
+                i += 1
+                continue
             if self._try_place(hid):
-                self.queue.popleft()
+                del q[i]
                 continue
             if self.mode is not ReplayMode.NONE:
                 self._make_room(hid)
+                if hid not in q:  # it fitted after all
+                    continue
+                if hid in self.waiting:
+                    i += 1
+                    continue
             break
-        if not backfill or len(self.queue) < 2:
+        if self.queue_kind is not QueueDiscipline.BACKFILL:
             return
-        depth = self.cfg.backfill_depth
-        i = 1
-        while i < len(self.queue) and i <= depth:
-            jid = self.queue[i]
+        depth = i + self.cfg.backfill_depth
+        i += 1
+        while i < len(q) and i <= depth:
+            jid = q[i]
             if jid not in self.waiting and self._try_place(jid):
-                del self.queue[i]
+                del q[i]
                 continue
             i += 1
 
@@ -464,7 +474,7 @@ class Replay:
         key = (w.cpu_milli, w.memory_mib, w.num_gpu, w.gpu_milli, w.gpu_model)
         if self.fail_memo.get(key) == self.release_clock:
             return False  # nothing was freed since this shape last failed
-        pl = self.pol.select(self.cluster, w, rng=self.rng)
+        pl = self.pol.select(self.cluster, w, rng=self.rng, mask=self.mask)
         if pl is None:
             self.fail_memo[key] = self.release_clock
             return False
@@ -552,6 +562,8 @@ class Replay:
         self.plans += 1
         if head is not None:
             self.waiting.add(head)
+            assert plan.placement is not None
+            self._hold(plan.placement.node, +1)
         self.flights[fid] = _Flight(fid, head, plan, moved, done, reservations)
         self._push(done, _DONE, fid)
 
@@ -586,6 +598,8 @@ class Replay:
         if f.head is None:
             return
         self.waiting.discard(f.head)
+        if f.plan is not None and f.plan.placement is not None:
+            self._hold(f.plan.placement.node, -1)
         h = self.jobs[f.head]
         placed = False
         if f.plan is not None and f.plan.placement is not None:
@@ -610,6 +624,20 @@ class Replay:
             self.queue.remove(f.head)
         else:
             self.plans_wasted += 1
+
+    def _hold(self, node: str, delta: int) -> None:
+        """Keep other pods off a node where a head will start once its moves are done."""
+        ni = self.cluster.node_index(node)
+        n = self.held.get(ni, 0) + delta
+        if n > 0:
+            self.held[ni] = n
+        else:
+            self.held.pop(ni, None)
+        if self.held:
+            self.mask = np.ones(self.cluster.num_nodes, dtype=bool)
+            self.mask[list(self.held)] = False
+        else:
+            self.mask = None
 
     def _requeue(self, jid: int) -> None:
         """Back into the queue at its original arrival position."""
@@ -695,6 +723,7 @@ class Replay:
         self.interventions += len(jobs)
         self.waiting.add(hid)
         target = c.node_ids[nd]
+        self._hold(target, +1)
         self.flights[fid] = _Flight(fid, hid, Plan((), w.id, Placement(target)), jobs, done, [], suspend=True)
         self._push(done, _DONE, fid)
         return True
