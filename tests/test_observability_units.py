@@ -154,9 +154,21 @@ async def test_router_measures_the_blackout_of_a_switch(tmp_path) -> None:
             fakes[0][0].unstall()
             async with session.get(srv.url + "/metrics") as r:
                 got = samples(await r.text())
-        assert got[("relocator_relocation_blackout_seconds_count",)] == 1
-        assert 0.4 <= got[("relocator_relocation_blackout_seconds_sum",)] < 5
-        assert got[("relocator_relocation_blackout_seconds_bucket", ("le", "0.25"))] == 0
+            assert got[("relocator_relocation_blackout_seconds_count",)] == 1
+            assert 0.4 <= got[("relocator_relocation_blackout_seconds_sum",)] < 5
+            assert got[("relocator_relocation_blackout_seconds_bucket", ("le", "0.25"))] == 0
+            # no stream in flight, one request held: its wait until the switch is the pause
+            async with RouterControl(srv.control_url) as rc:
+                await rc.hold("w1")
+                task = asyncio.create_task(stream())
+                await asyncio.sleep(0.6)
+                await rc.switch("w1", fakes[0][1])
+            assert (await task).endswith(b"data: [DONE]\n\n")
+            async with session.get(srv.url + "/metrics") as r:
+                got2 = samples(await r.text())
+        assert got2[("relocator_relocation_blackout_seconds_count",)] == 2
+        second = got2[("relocator_relocation_blackout_seconds_sum",)] - got[("relocator_relocation_blackout_seconds_sum",)]
+        assert 0.6 <= second < 5
     finally:
         await srv.stop()
         for r in runners:

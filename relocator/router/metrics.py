@@ -48,9 +48,9 @@ class PromHooks(Hooks):
         # router is only where it can be measured
         self.blackout_h = Histogram(
             "relocator_relocation_blackout_seconds",
-            "Per switch of a worker with streams in flight (a relocation, its rollback, or a "
-            "replacement): the longest pause one of those client streams saw, from its last "
-            "bytes before to its first bytes after",
+            "Per switch of a worker (a relocation, its rollback, or a replacement) that client "
+            "requests were waiting on: the longest pause one of them saw, from its last bytes "
+            "before (a stream cut over) or its arrival (a request held) to its first bytes after",
             buckets=(.05, .1, .25, .5, 1, 2, 3, 5, 10, 20, 30, 60, 120), registry=r)
 
     def request_done(self, worker: str, status: int) -> None:

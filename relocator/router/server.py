@@ -138,8 +138,9 @@ class AiohttpUpstream:
 
 # ---------------------------------------------------------------------- blackout measure
 class _ClientStream:
-    """One client stream as this server writes it: the worker it is on (set when the core
-    registers its upstream request in the table) and when it last got bytes."""
+    """One client request as this server serves it: the worker it is on (set when the core
+    registers its upstream request in the table; None while it waits for one, e.g. held) and
+    when it last got bytes (at first: when it arrived)."""
 
     __slots__ = ("worker", "last", "pause")
 
@@ -157,12 +158,15 @@ class _ClientStream:
 
 
 class _Pause:
-    """The client streams one switch of a worker cut over, until each got bytes again or ended:
-    the longest pause among them is observed once, when the last one is back."""
+    """The client requests one switch of `worker` concerns (its streams, which the switch cuts
+    over, and requests not on a worker yet, e.g. held for it), until each got bytes again or
+    ended: the longest pause among them is observed once, when the last one is back. A request
+    that lands on another worker is dropped."""
 
-    __slots__ = ("waiting", "longest", "observe")
+    __slots__ = ("worker", "waiting", "longest", "observe")
 
-    def __init__(self, streams: list[_ClientStream], observe) -> None:
+    def __init__(self, worker: str, streams: list[_ClientStream], observe) -> None:
+        self.worker = worker
         self.waiting = set(streams)
         self.longest: float | None = None
         self.observe = observe
@@ -201,6 +205,9 @@ class _WatchedTable(RoutingTable):
         cs = _current_stream.get()
         if cs is not None:
             cs.worker = handle.worker_id
+            if cs.pause is not None and cs.pause.worker != cs.worker:  # not the switched worker's
+                cs.pause.gone(cs)
+                cs.pause = None
 
     def switch(self, worker_id: str, endpoint: str, *, release: bool = True) -> dict:
         self.on_switch(worker_id)
@@ -484,28 +491,33 @@ class RouterServer:
         assert self.core is not None
         cs = _ClientStream()
         _current_stream.set(cs)
+        self._client_streams.add(cs)
         try:
-            res = await self.core.handle(kind, raw, request.headers)  # type: ignore[arg-type]
-        except RouterError as e:
-            self.hooks.errors.labels(e.code or str(e.status)).inc()
-            return _err(e)
-        if isinstance(res, Unary):
-            return web.Response(status=res.status, body=res.body,
-                                headers={"Content-Type": res.content_type})
-        return await self._write_stream(request, res, cs)
+            try:
+                res = await self.core.handle(kind, raw, request.headers)  # type: ignore[arg-type]
+            except RouterError as e:
+                self.hooks.errors.labels(e.code or str(e.status)).inc()
+                return _err(e)
+            if isinstance(res, Unary):
+                return web.Response(status=res.status, body=res.body,
+                                    headers={"Content-Type": res.content_type})
+            return await self._write_stream(request, res, cs)
+        finally:
+            self._client_streams.discard(cs)
+            if cs.pause is not None:
+                cs.pause.gone(cs)
 
     def _pause_streams(self, worker_id: str) -> None:
-        """A switch of `worker_id`: measure the pause of the client streams it cuts over."""
-        streams = [cs for cs in self._client_streams if cs.worker == worker_id]
+        """A switch of `worker_id`: measure the pause of the client streams it cuts over and of
+        the requests it releases."""
+        streams = [cs for cs in self._client_streams if cs.worker in (worker_id, None)]
         if streams:
-            _Pause(streams, self.hooks.blackout)
+            _Pause(worker_id, streams, self.hooks.blackout)
 
     async def _write_stream(self, request: web.Request, res: Stream,
                             cs: _ClientStream | None = None) -> web.StreamResponse:
         gen = res.chunks
         resp: web.StreamResponse | None = None
-        if cs is not None:
-            self._client_streams.add(cs)
         try:
             async for chunk in gen:
                 if resp is None:
@@ -524,10 +536,6 @@ class RouterServer:
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             pass  # client went away; finally closes the upstream
         finally:
-            if cs is not None:
-                self._client_streams.discard(cs)
-                if cs.pause is not None:
-                    cs.pause.gone(cs)
             await gen.aclose()  # type: ignore[attr-defined]
         if resp is None:
             resp = web.StreamResponse(status=res.status, headers=SSE_HEADERS)
