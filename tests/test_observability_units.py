@@ -192,3 +192,25 @@ def test_dashboard_reads_only_these_metrics(store) -> None:
     assert used and used <= exposed, used - exposed
     assert {"relocator_relocation_blackout_seconds_bucket", "relocator_rollbacks_total",
             "relocator_node_gpus"} <= used
+
+
+def test_client_events_iterator_follows_the_cursor(store) -> None:
+    from relocator.controller.api import ControllerClient
+
+    log = EventLog(store)
+
+    class Local(ControllerClient):  # the actor call replaced by the controller's own methods
+        def _call(self, method, *args, timeout=None, **kw):
+            return {"events_cursor": lambda: log.last, "wait_events": log.wait}[method](*args, **kw)
+
+    ctl = Local(handle=None)
+    log.emit(EventKind.NODE_LOST, {"node": "n0"})  # before the subscription: not seen from now on
+    it = ctl.events(idle_timeout=1.0, wait_s=0.5)  # "now" is this call
+    threading.Timer(0.2, lambda: [log.emit(EventKind.WORKER_LOST, {"worker": "w1"}),
+                                  log.emit(EventKind.NODE_LOST, {"node": "n3"})]).start()
+    got = list(it)
+    assert [e["kind"] for e in got] == ["worker_lost", "node_lost"]
+    assert [e["kind"] for e in ctl.events(since=0, kinds=["node_lost"], idle_timeout=0)] == ["node_lost"] * 2
+    assert list(ctl.events(since=got[-1]["seq"], idle_timeout=0)) == []
+    with pytest.raises(ValueError):
+        list(ctl.events(kinds=["no_such_kind"], idle_timeout=0))

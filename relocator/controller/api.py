@@ -79,7 +79,8 @@ class ControllerClient:
         `seq` of the last one handled: a consumer that restarts misses nothing). `kinds`: only
         these. `idle_timeout`: stop after that many seconds without an event (None: never).
         Underneath, one long-poll call on the controller at a time (`wait_s` each); a restarting
-        controller is waited for (its events are stored, so none is lost)."""
+        controller is waited for (its events are stored, so none is lost). "Now" is when
+        `events()` is called (a bad `kinds` is refused then too), not when iteration begins."""
         from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
         from ray.exceptions import GetTimeoutError, RayActorError
@@ -90,6 +91,10 @@ class ControllerClient:
         retrying = Retrying(stop=stop_after_delay(120), wait=wait_fixed(0.5), reraise=True,
                             retry=retry_if_exception_type((RayActorError, GetTimeoutError)))
         cursor = since if since is not None else retrying(self._call, "events_cursor", timeout=60)
+        return self._follow(cursor, wanted, idle_timeout, wait_s, retrying)
+
+    def _follow(self, cursor: int, wanted: set[str] | None, idle_timeout: float | None, wait_s: float,
+                retrying: Any) -> Iterator[dict]:
         last_event = time.monotonic()
         while True:
             wait = wait_s if idle_timeout is None else max(0.0, min(wait_s, last_event + idle_timeout - time.monotonic()))
