@@ -7,6 +7,11 @@ that). What it changes, and why:
   manager's and HTTP server's `asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())` at
   import, uvicorn's `loop="uvloop"`): libuv opens an io_uring instance even with
   UV_USE_IO_URING=0, and CRIU cannot dump io_uring;
+- torch.distributed's TCPStore without libuv (USE_LIBUV=0): SGLang's scheduler initialises a
+  one-rank gloo group, and the store's libuv loop opens an io_uring instance too;
+- after a restore: the process CPU clock continues instead of restarting at zero (SGLang's
+  scheduler crashed on a negative counter increment), and signals to a psutil.Process kept
+  from before the dump are delivered (psutil took the restored parent for a reused PID);
 - SGLANG_USE_CPU_ENGINE=1 (else loading the model imports vLLM's CUDA ops) and the stand-in
   `sgl_kernel` on sys.path (no CPU build of the real one exists on PyPI).
 SGLang starts its scheduler and detokenizer with multiprocessing's *spawn*: each child
@@ -22,6 +27,10 @@ import os
 import sys
 
 os.environ.setdefault("UV_USE_IO_URING", "0")
+# The scheduler sets up torch.distributed (gloo) even with one rank; its TCPStore's default
+# libuv backend (thread "pt_tcpstore_uv", libuv bundled in libtorch) opens an io_uring
+# instance as well. USE_LIBUV=0 selects the store's plain-socket backend.
+os.environ.setdefault("USE_LIBUV", "0")
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 _STUB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stub_sgl_kernel")
 if _STUB not in sys.path:
@@ -40,7 +49,58 @@ def _use_stdlib_asyncio() -> None:
     uvloop.EventLoopPolicy = asyncio.DefaultEventLoopPolicy
 
 
+def _restorable_clocks() -> None:
+    """A process CPU clock that never goes backward across a restore.
+
+    CRIU cannot restore a process's consumed CPU time: after a restore, time.process_time_ns()
+    starts again from (nearly) zero. SGLang's scheduler increments a Prometheus counter by the
+    difference of two readings (sglang:scheduler_process_cpu_seconds_total), which then is
+    negative, raises ValueError and kills the scheduler. The reading is offset so that it
+    continues from the last value seen before the dump.
+    """
+    import threading
+    import time
+
+    raw = time.process_time_ns
+    lock = threading.Lock()
+    state = {"last": 0, "offset": 0}
+
+    def process_time_ns() -> int:
+        now = raw()
+        with lock:
+            if now + state["offset"] < state["last"]:
+                state["offset"] = state["last"] - now
+            state["last"] = now + state["offset"]
+            return state["last"]
+
+    time.process_time_ns = process_time_ns
+    time.process_time = lambda: process_time_ns() / 1e9
+
+
+def _psutil_signals_after_restore() -> None:
+    """Signals to a psutil.Process taken before a dump still arrive after the restore.
+
+    psutil guards against PID reuse by comparing a process's start time; a restored process
+    has a new one, so SGLang's children, which keep `psutil.Process().parent()` to send it
+    SIGQUIT when they fail, would get NoSuchProcess instead and the tree would not shut down.
+    Inside the cell's own PID namespace the PID is the same process: send it with os.kill.
+    """
+    import psutil
+
+    send = psutil.Process.send_signal
+
+    def send_signal(self, sig):
+        try:
+            return send(self, sig)
+        except psutil.NoSuchProcess:
+            os.kill(self.pid, sig)
+
+    psutil.Process.send_signal = send_signal
+
+
 _use_stdlib_asyncio()
+_restorable_clocks()
+_psutil_signals_after_restore()
 
 
 def main(argv: list[str] | None = None) -> None:
