@@ -1,0 +1,141 @@
+"""SGLang adapter on real SGLang (CPU): launch, readiness, greedy completion, and token-exact
+continuation from prompt ids + sent ids through the native /generate API.
+
+Needs .venv-sglang (scripts/install-sglang.sh); skipped with that reason otherwise. One server
+for the module, on loopback, started outside a cell (the cell path is covered by the snapshot
+tests once the registry names sglang).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from adapters.base import LaunchSpec
+from adapters.sglang.adapter import Adapter, installed, sglang_version
+
+pytestmark = pytest.mark.skipif(
+    not installed(), reason="SGLang is not installed (.venv-sglang missing): run scripts/install-sglang.sh")
+
+PROMPT = [89, 77, 74, 442, 361, 20, 31, 200, 17, 99, 5, 140]
+N = 32
+
+
+def test_command_is_criu_friendly(tmp_path: Path) -> None:
+    argv, env = Adapter().command(LaunchSpec(model_dir=tmp_path, served_model_name="m", port=9000))
+    assert argv[0].endswith(".venv-sglang/bin/python")
+    assert argv[1:3] == ["-m", "adapters.sglang.launcher"]  # asyncio loop, no io_uring
+    assert argv[argv.index("--port") + 1] == "9000" and argv[argv.index("--device") + 1] == "cpu"
+    assert "--max-total-tokens" in argv and "--enable-metrics" in argv
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["USE_LIBUV"] == "0"
+    assert env["PYTHONPATH"].endswith("stub_sgl_kernel")
+
+
+def test_continuation_body() -> None:
+    body = {"input_ids": [1, 2], "stream": True,
+            "sampling_params": {"max_new_tokens": 10, "min_new_tokens": 4, "temperature": 0, "stop": ["x"]}}
+    out = Adapter().continuation_request(body, [1, 2], [7, 8, 9])
+    assert out["input_ids"] == [1, 2, 7, 8, 9] and out["stream"] is True
+    assert out["sampling_params"] == {"max_new_tokens": 7, "min_new_tokens": 1, "temperature": 0, "stop": ["x"]}
+    with pytest.raises(ValueError, match="n > 1"):
+        Adapter().continuation_request({"sampling_params": {"n": 2}}, [1], [])
+
+
+def test_parse_metrics() -> None:
+    text = (
+        "# HELP sglang:num_running_reqs running\n# TYPE sglang:num_running_reqs gauge\n"
+        'sglang:num_running_reqs{engine_type="unified",model_name="m",tp_rank="0"} 2.0\n'
+        "# HELP sglang:prompt_tokens_total prompt\n# TYPE sglang:prompt_tokens_total counter\n"
+        'sglang:prompt_tokens_total{model_name="m"} 40.0\n'
+        "# HELP python_gc_objects_collected_total gc\n# TYPE python_gc_objects_collected_total counter\n"
+        'python_gc_objects_collected_total{generation="0"} 5.0\n'
+    )
+    assert Adapter().parse_metrics(text) == {"sglang:num_running_reqs": 2.0, "sglang:prompt_tokens_total": 40.0}
+
+
+def test_fingerprint(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"w")
+    fp = Adapter().fingerprint(LaunchSpec(model_dir=tmp_path, served_model_name="m"))
+    assert fp.engine == "sglang" and fp.engine_version == sglang_version() != "unknown"
+
+
+@pytest.fixture(scope="module")
+def sglang_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    from relocator.local_worker import free_port
+
+    adapter = Adapter()
+    spec = LaunchSpec(model_dir=tiny_model_dir, served_model_name="tiny-llama", port=free_port(),
+                      host="127.0.0.1", extra_args=["--skip-server-warmup"])
+    argv, env = adapter.command(spec)
+    log = tmp_path_factory.mktemp("sglang") / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+                                cwd=Path(__file__).resolve().parents[1], start_new_session=True)
+    base = f"http://127.0.0.1:{spec.port}"
+    try:
+        deadline = time.monotonic() + 240
+        while not asyncio.run(adapter.is_ready(base)):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"SGLang did not become ready:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield base
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
+
+
+def _generate_stream(base: str, body: dict) -> tuple[list[int], list[dict]]:
+    events = []
+    with requests.post(f"{base}/generate", json=body, stream=True, timeout=120) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith(b"data: {"):
+                events.append(json.loads(line[6:]))
+    return events[-1]["output_ids"], events
+
+
+def test_greedy_completion(sglang_server: str) -> None:
+    body = {"model": "tiny-llama", "prompt": "the cluster node", "max_tokens": 8, "temperature": 0}
+    a = requests.post(f"{sglang_server}/v1/completions", json=body, timeout=60).json()
+    b = requests.post(f"{sglang_server}/v1/completions", json=body, timeout=60).json()
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    assert a["usage"]["completion_tokens"] == 8
+
+
+def test_continuation_is_token_exact(sglang_server: str) -> None:
+    adapter = Adapter()
+    body = {"input_ids": PROMPT, "stream": True,
+            "sampling_params": {"max_new_tokens": N, "temperature": 0, "ignore_eos": True}}
+    ref, events = _generate_stream(sglang_server, body)
+    assert len(ref) == N
+    # output_ids are cumulative: each event's ids extend the previous one's
+    for prev, cur in zip(events, events[1:]):
+        assert cur["output_ids"][: len(prev["output_ids"])] == prev["output_ids"]
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    for cut in (1, 9, 20, N - 1):
+        cont_body = adapter.continuation_request(body, PROMPT, ref[:cut])
+        cont, cevents = _generate_stream(sglang_server, cont_body)
+        assert cont == ref[cut:], f"cut at {cut}"
+        # the prefix came from the radix cache (all but the last prompt token)
+        assert cevents[-1]["meta_info"]["cached_tokens"] >= len(PROMPT) + cut - 1
+
+
+def test_metrics_page(sglang_server: str) -> None:
+    text = requests.get(f"{sglang_server}/metrics", timeout=10).text
+    m = Adapter().parse_metrics(text)
+    assert m.get("sglang:prompt_tokens_total", 0) > 0 and "sglang:num_running_reqs" in m
