@@ -9,6 +9,15 @@ log() { printf '[install] %s\n' "$*" >&2; }
 
 bash "$ROOT/scripts/install-criu.sh"
 
+# Prometheus for the observability integration test (tests/test_observability_e2e.py starts
+# its own on loopback; the package's service is not started here)
+if ! command -v prometheus >/dev/null; then
+  log "installing prometheus (Debian package)"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 \
+    || { apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+fi
+
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 if [ ! -x .venv/bin/python ]; then
