@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 #: THE registry: engine name -> its package. Nothing outside adapters/ names an engine.
 ENGINES: dict[str, str] = {
     "vllm": "adapters.vllm",
+    "sglang": "adapters.sglang",
 }
 #: the engine used where none is named (a worker, a cell, a router replica)
 DEFAULT_ENGINE = "vllm"
