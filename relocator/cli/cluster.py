@@ -1,8 +1,10 @@
-"""`relocator up | down | status | launch | relocate | drain`: the local cluster and its controller."""
+"""`relocator up | down | status | launch | relocate | drain | suspend | resume | consolidate`: the local
+cluster and its controller."""
 
 from __future__ import annotations
 
 import os
+import time
 from typing import Optional
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray is imported
@@ -95,6 +97,14 @@ def status_cmd(cluster_dir: Optional[str] = CLUSTER_DIR, json_out: bool = JSON) 
         t.add_row(w["id"], w["model"], w["node"], str(w["gpus"]), w["state"], w["endpoint"],
                   str(w.get("replacements", 0)))
     console.print(t)
+    if st.get("pending"):
+        t = Table(title="pending")
+        for c in ("id", "kind", "model", "GPUs", "priority", "waiting s", "reason"):
+            t.add_column(c)
+        for d in st["pending"]:
+            t.add_row(d["id"], d["kind"], d["model"], str(d["gpus"]), str(d["priority"]),
+                      f"{time.time() - d['since']:.0f}", d["reason"])
+        console.print(t)
     if st["relocations"]:
         t = Table(title="relocations")
         for c in ("id", "worker", "from", "to", "phase", "result"):
@@ -124,20 +134,123 @@ def events_cmd(since: Optional[int] = typer.Option(None, help="after this event 
             console.print(f"{ev['seq']:>6} [bold]{ev['kind']}[/] " + escape(" ".join(f"{k}={v}" for k, v in rest.items())))
 
 
+def _duration(value: Optional[str]) -> Optional[str]:
+    """A typer callback: a wrong duration is a usage error (exit 2) before anything starts."""
+    if value is not None:
+        from relocator.controller.model import parse_duration
+
+        try:
+            parse_duration(value)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return value
+
+
+def _plan_lines(plan: dict) -> list[str]:
+    lines = [f"  move {m['worker']} {m['from']} → {m['to']} ({m['gpus']} GPU)" for m in plan.get("moves", [])]
+    lines += [f"  suspend {w}" for w in plan.get("suspends", [])]
+    return lines
+
+
 @app.command("launch")
 @handle_errors
 def launch_cmd(model: str = typer.Option("tiny-llama", "--model", "-m", help="tiny-llama or a model directory"),
-               gpus: int = typer.Option(1, "--gpus", help="GPUs the worker takes"),
+               gpus: int = typer.Option(1, "--gpus", min=1, help="GPUs the worker takes"),
                node: Optional[str] = typer.Option(None, "--node", help="node (default: the planner places it)"),
                engine: Engine = typer.Option(Engine(DEFAULT_ENGINE), "--engine", help="the serving engine"),
+               priority: int = typer.Option(0, "--priority", help="a launch that cannot fit even with moves "
+                                            "suspends the fewest workers of lower priority"),
+               time_limit: Optional[str] = typer.Option(None, "--time-limit", callback=_duration, help="suspend and requeue it after "
+                                                        "running this long: 90, 90s, 15m, 2h, 1d"),
+               make_room: bool = typer.Option(True, "--make-room/--no-make-room", help="make room with live moves "
+                                              "when no node has the GPUs free (--no-make-room: fail instead)"),
+               dry_run: bool = typer.Option(False, "--dry-run", help="print the plan, change nothing"),
                cluster_dir: Optional[str] = CLUSTER_DIR, json_out: bool = JSON) -> None:
-    """Start a worker and register it with the router; waits until it serves."""
-    w = _connect(cluster_dir).launch(model, gpus, node, engine=engine.value)
+    """Start a worker and register it with the router; waits until it serves. No node with the GPUs
+    free: the fewest live moves make room; a demand that cannot be met waits in `pending`."""
+    w = _connect(cluster_dir).launch(model, gpus, node, engine=engine.value, priority=priority, time_limit=time_limit,
+                                     make_room=make_room, dry_run=dry_run)
     if json_out:
         print_json(w)
+        return
+    if w.get("dry_run"):
+        plan = w["plan"]
+        where = plan["node"] or "nowhere now (it would wait in pending)"
+        console.print(f"plan for {w['demand']['id']} ({gpus} GPU): {plan['how']}, on {where}")
+        for line in _plan_lines(plan):
+            console.print(line)
+        if plan["reason"]:
+            console.print(f"  {plan['reason']}")
+    elif w.get("state") == "pending":
+        console.print(f"[yellow]{w['id']} pending[/]: {w['demand']['reason']} (the controller starts it when "
+                      "capacity returns; `relocator status` lists it)")
     else:
-        console.print(f"[green]{w['id']}[/] {w['model']} ({w['engine']}) on {w['node']} ({w['gpus']} GPU) at {w['endpoint']}, "
-                      f"ready in {w['launch_s']:.1f}s")
+        how = "".join(f"; made room: {m['worker']} {m['from']}→{m['to']}" for m in w.get("moves", []))
+        how += "".join(f"; suspended {s}" for s in w.get("suspended", []))
+        console.print(f"[green]{w['id']}[/] {w['model']} ({w['engine']}) on {w['node']} ({w['gpus']} GPU) at "
+                      f"{w['endpoint']}, ready in {w['launch_s']:.1f}s{how}")
+
+
+@app.command("suspend")
+@handle_errors
+def suspend_cmd(worker: str = typer.Argument(..., help="worker id"),
+                cluster_dir: Optional[str] = CLUSTER_DIR, json_out: bool = JSON) -> None:
+    """Checkpoint a worker to the image store and free its GPUs; its requests go to a sibling or
+    wait in the router's hold queue until `resume`."""
+    out = _connect(cluster_dir).suspend(worker)
+    if json_out:
+        print_json(out)
+    else:
+        console.print(f"[green]{worker} suspended[/] from {out['node']} in {out['seconds']:.1f}s "
+                      f"({out['image_bytes'] / 2**20:.0f} MiB image); traffic: "
+                      f"{out['sibling'] or 'held until it resumes'}")
+
+
+@app.command("resume")
+@handle_errors
+def resume_cmd(worker: str = typer.Argument(..., help="worker id"),
+               node: Optional[str] = typer.Option(None, "--node", help="target node (default: the planner seats it)"),
+               cluster_dir: Optional[str] = CLUSTER_DIR, json_out: bool = JSON) -> None:
+    """Restore a suspended worker on any compatible node and switch its traffic back."""
+    out = _connect(cluster_dir).resume(worker, node)
+    if json_out:
+        print_json(out)
+    elif out.get("state") == "pending":
+        console.print(f"[yellow]{worker} pending[/]: {out['demand']['reason']}")
+    else:
+        console.print(f"[green]{worker} resumed[/] on {out['node']} in {out['seconds']:.1f}s")
+
+
+@app.command("consolidate")
+@handle_errors
+def consolidate_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print the plan, move nothing"),
+                    max_moves: int = typer.Option(10, "--max-moves", min=1, help="at most this many moves"),
+                    transfer: Optional[TransferMode] = typer.Option(None, help="default: the cluster's config"),
+                    cluster_dir: Optional[str] = CLUSTER_DIR, json_out: bool = JSON) -> None:
+    """Pack running workers onto the fewest nodes with live moves."""
+    out = _connect(cluster_dir).consolidate(dry_run, max_moves, transfer.value if transfer else None)
+    if json_out:
+        print_json(out)
+        return
+    t = Table(title=f"{'plan: ' if dry_run else ''}nodes freed: {', '.join(out['nodes_freed']) or 'none'}; "
+              f"{len(out['moves'])} move(s), {out['gpus_moved']} GPU(s)")
+    for c in ("worker", "from", "to", "GPUs", "result", "blackout s"):
+        t.add_column(c)
+    for m in out["moves"]:
+        t.add_row(m["worker"], m["from"], m["to"], str(m["gpus"]), m.get("result", "planned"),
+                  f"{m['blackout_s']:.2f}" if "blackout_s" in m else "")
+    console.print(t)
+    if any(m.get("result", "done") != "done" for m in out["moves"]):
+        raise typer.Exit(1)
+
+
+@app.command("uncordon")
+@handle_errors
+def uncordon_cmd(node: str = typer.Argument(..., help="node drained with --by"),
+                 cluster_dir: Optional[str] = CLUSTER_DIR, json_out: bool = JSON) -> None:
+    """Let the planner place and resume workers on NODE again."""
+    out = _connect(cluster_dir).uncordon(node)
+    print_json(out) if json_out else console.print(f"{node} uncordoned")
 
 
 @app.command("relocate")
@@ -165,14 +278,19 @@ def relocate_cmd(worker: str = typer.Argument(..., help="worker id"),
 def drain_cmd(node: str = typer.Argument(..., help="node to empty"),
               parallel: int = typer.Option(1, help="relocations at a time"),
               transfer: Optional[TransferMode] = typer.Option(None, help="default: the cluster's config"),
+              by: Optional[str] = typer.Option(None, "--by", callback=_duration, help="deadline: a duration from now (600, 10m) or "
+                                               "an epoch time; the node is cordoned, workers that fit nowhere "
+                                               "(or not moved by then) are suspended and requeued"),
               cluster_dir: Optional[str] = CLUSTER_DIR, json_out: bool = JSON) -> None:
     """Move every worker off NODE, live."""
-    out = _connect(cluster_dir).drain(node, parallel, transfer)
+    out = _connect(cluster_dir).drain(node, parallel, transfer, by)
     if json_out:
         print_json(out)
     else:
         for rel in out["relocations"]:
             console.print(phases_table(rel))
+        for sus in out.get("suspended", []):
+            console.print(f"suspended {sus['worker']}: {sus.get('error') or 'requeued'}")
         console.print(f"{node}: {'[green]drained[/]' if out['drained'] else '[red]not drained[/]'} "
                       f"in {out['seconds']:.1f}s")
     if not out["drained"]:

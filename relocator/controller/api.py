@@ -2,8 +2,10 @@
 
     import relocator
     ctl = relocator.start(nodes=2, gpus_per_node=4)      # or relocator.connect()
-    w = ctl.launch("tiny-llama", gpus=2)
+    w = ctl.launch("tiny-llama", gpus=2)                  # makes room with live moves if needed
     print(ctl.relocate(w["id"]))                          # phases with timings
+    ctl.suspend(w["id"]); ctl.resume(w["id"])             # set aside, restored anywhere compatible
+    print(ctl.pending(), ctl.consolidate(dry_run=True))   # waiting demands; a packing plan
     for ev in ctl.events():                               # phase changes, rollbacks, lost nodes, ...
         print(ev["kind"], ev)
     ctl.down()
@@ -50,8 +52,43 @@ class ControllerClient:
         return self._call("status", timeout=60)
 
     def launch(self, model: str = "tiny-llama", gpus: int = 1, node: str | None = None,
-               worker_id: str | None = None, engine: str | None = None) -> dict:
-        return self._call("launch", model, gpus, node, worker_id, engine)
+               worker_id: str | None = None, engine: str | None = None, *, priority: int = 0,
+               time_limit: str | float | None = None, make_room: bool = True, dry_run: bool = False,
+               faults: dict | None = None) -> dict:
+        """Start a worker; makes room with live moves (or, for a higher `priority`, suspends
+        lower-priority workers) when no node has `gpus` free GPUs. Returns the worker, or
+        {"id", "state": "pending", "demand"} when it must wait (the controller starts it when
+        capacity returns), or {"dry_run": True, "plan"} with `dry_run`. `make_room=False`: a
+        stock scheduler (RuntimeError when nothing fits). `time_limit`: 90, "90s", "15m", "2h"."""
+        return self._call("launch", model, gpus, node, worker_id, engine, priority, time_limit, make_room,
+                          dry_run, faults)
+
+    def suspend(self, worker: str) -> dict:
+        """Checkpoint `worker` to the image store and free its GPUs (traffic: sibling or held)."""
+        return self._call("suspend", worker)
+
+    def resume(self, worker: str, node: str | None = None) -> dict:
+        """Restore a suspended worker (on `node`, or where the planner seats it) and switch its
+        traffic back; {"state": "pending", ...} when there is no room now."""
+        return self._call("resume", worker, node)
+
+    def consolidate(self, dry_run: bool = False, max_moves: int = 10, transfer: str | None = None) -> dict:
+        """Pack running workers onto the fewest nodes with live moves: nodes_freed, moves (each
+        with its result and blackout_s), gpus_moved."""
+        return self._call("consolidate", dry_run, max_moves, transfer, timeout=3600)
+
+    def pending(self) -> list[dict]:
+        """Demands waiting for GPUs (launches and requeued resumes): id, kind, model, gpus,
+        priority, since, reason."""
+        return self._call("pending", timeout=60)
+
+    def uncordon(self, node: str) -> dict:
+        """Let the planner use a node drained with `by` again."""
+        return self._call("uncordon", node, timeout=60)
+
+    def cancel(self, demand: str) -> dict:
+        """Drop a pending demand."""
+        return self._call("cancel", demand, timeout=60)
 
     def relocate(self, worker: str, to: str | None = None, transfer: str | None = None,
                  faults: dict | None = None, wait: bool = True) -> dict:
@@ -63,8 +100,8 @@ class ControllerClient:
     def get_relocation(self, relocation_id: str) -> dict | None:
         return self._call("get_relocation", relocation_id, timeout=60)
 
-    def drain(self, node: str, parallel: int = 1, transfer: str | None = None) -> dict:
-        return self._call("drain", node, parallel, transfer, timeout=3600)
+    def drain(self, node: str, parallel: int = 1, transfer: str | None = None, by: float | str | None = None) -> dict:
+        return self._call("drain", node, parallel, transfer, by, timeout=3600)
 
     def stop_worker(self, worker: str) -> dict:
         return self._call("stop_worker", worker)

@@ -22,12 +22,33 @@ from relocator.controller.backend import NodeLost, RayBackend
 from relocator.controller.events import EventKind, EventLog
 from relocator.controller.inventory import NodeInfo, best_fit, ray_nodes
 from relocator.controller.machine import Machine, PhaseFault, check_faults
-from relocator.controller.model import FailureReason, RUNNING, Relocation, TransferMode, WorkerRecord, tokenizer_of
+from relocator.controller.model import (
+    RUNNING,
+    Demand,
+    DemandKind,
+    DemandState,
+    FailureReason,
+    Relocation,
+    SuspendReason,
+    TransferMode,
+    WorkerRecord,
+    WorkerState,
+    parse_duration,
+    tokenizer_of,
+)
+from relocator.controller import scheduling
+from relocator.controller.scheduling import MovePlan, NodeView, Seat, Seating
 from relocator.controller.store import Store
 
 CONTROLLER_NAME = "relocator-controller"
 ORPHAN_AFTER_S = 60.0  # a cell nobody owns is killed once it is this old
 NODE_WATCH_S = 0.5  # how often Ray's node table is read for nodes declared dead
+DEMAND_RETRY_S = 30.0  # a pending demand is retried when capacity changes, and at least this often
+#: states in which a worker holds GPUs on its node (through its reservation)
+HOLDING_STATES = (WorkerState.STARTING, WorkerState.RUNNING, WorkerState.RELOCATING, WorkerState.REPLACING,
+                  WorkerState.SUSPENDING, WorkerState.RESUMING)
+#: the phases in which a moving worker's new requests wait or its streams stall
+BLACKOUT_PHASES = ("HOLD", "DUMP", "TRANSFER", "RESTORE", "SWITCH")
 log = logging.getLogger("relocator.controller")
 
 
@@ -68,6 +89,12 @@ class Controller:
         self._stop = threading.Event()
         self._wake = threading.Event()  # set: run the reconcile loop now
         self._pending_reservations: set[str] = set()
+        self.max_moves = int(config.get("make_room_max_moves", scheduling.DEFAULT_MAX_MOVES))
+        self._seating = threading.RLock()  # one demand (or consolidation) planned and seated at a time
+        self._placing: set[str] = set()  # demands being seated now
+        self._retrying = threading.Event()
+        self._demand_sig: tuple | None = None
+        self._demand_tried_at = 0.0
         self._lost_nodes: dict[str, float] = {}  # node -> when this controller saw it lost
         self._fenced_nodes: set[str] = set()
         self.metrics = self._serve_metrics()
@@ -94,6 +121,12 @@ class Controller:
                 self._abandon_launch(w)
             elif w.state == "replacing" and w.id not in self._busy:  # its half-started copy goes
                 self._abandon_launch(w, keep_record=True)
+            elif w.state in (WorkerState.SUSPENDING, WorkerState.RESUMING) and w.id not in self._busy:
+                self._recover_suspension(w)
+        for d in self.store.demands():  # a seating the previous controller did not finish: retried
+            if d.state != DemandState.PENDING:
+                d.state, d.reason = DemandState.PENDING, "interrupted by a controller restart"
+                self.store.save_demand(d)
         threading.Thread(target=self._loop, name="reconcile", daemon=True).start()
         threading.Thread(target=self._watch_nodes, name="node-watch", daemon=True).start()
         self.init_s = round(time.time() - self.started_at, 3)
@@ -172,7 +205,7 @@ class Controller:
     def reconcile_once(self) -> dict:
         stats = {}
         for step in (self.update_nodes, self.update_workers, self.update_router, self.update_reservations,
-                     self.update_cells):
+                     self.update_cells, self.update_deadlines, self.update_demands):
             t0 = time.monotonic()
             try:
                 step()
@@ -346,68 +379,530 @@ class Controller:
 
     # -- workers -----------------------------------------------------------------------------------
     def _new_worker_id(self) -> str:
-        ids = {w.id for w in self.store.workers()}
+        ids = {w.id for w in self.store.workers()} | {d.id for d in self.store.demands()} | set(self._placing)
         i = 1
         while f"w{i}" in ids:
             i += 1
         return f"w{i}"
 
     def launch(self, model: str = "tiny-llama", gpus: int = 1, node: str | None = None,
-               worker_id: str | None = None, engine: str | None = None) -> dict:
-        """Start a worker (placed by the planner unless `node` is given), wait until it serves,
-        register it with the router."""
+               worker_id: str | None = None, engine: str | None = None, priority: int = 0,
+               time_limit: str | float | None = None, make_room: bool = True, dry_run: bool = False,
+               faults: dict | None = None) -> dict:
+        """Start a worker and register it with the router once it serves. Placed by the planner
+        unless `node` is given; when no node has `gpus` free GPUs it makes room (the fewest live
+        moves, else, for a higher `priority`, the fewest lower-priority workers suspended) unless
+        `make_room` is False (then: RuntimeError, as a stock scheduler). A demand that cannot be
+        met now is queued: returns {"id", "state": "pending", "demand"}; the reconcile loop starts
+        it when capacity allows. `dry_run`: the plan only. `time_limit` (90, "90s", "15m", "2h"):
+        suspended and requeued after running that long. `faults`: injected into the first move."""
         from adapters.base import DEFAULT_ENGINE, Engine
         from relocator.tinymodel import ensure_tiny_model
 
         engine = Engine(engine or DEFAULT_ENGINE).value  # an unknown engine: ValueError naming them
-
+        time_limit_s = parse_duration(time_limit)
+        if int(gpus) < 1:
+            raise ValueError(f"gpus must be >= 1, not {gpus}")
+        faults = check_faults({**(faults or {})}) if faults else None
         if model in ("tiny", "tiny-llama"):
             model_dir, served = str(ensure_tiny_model()), "tiny-llama"
         else:
             model_dir, served = model, Path(model).name
         with self._lock:
             wid = worker_id or self._new_worker_id()
-            if self.store.worker(wid):
+            if self.store.worker(wid) or self.store.demand(wid) or wid in self._placing:
                 raise ValueError(f"worker {wid} exists")
             nodes = self.inventory(refresh=True)
-            if node is None:
-                node = self.place(gpus)
-                if node is None:
-                    raise RuntimeError(f"no node has {gpus} free GPU(s)")
-            elif node not in nodes:
+            if node is not None and node not in nodes:
                 raise ValueError(f"unknown node {node!r}; nodes: {', '.join(nodes)}")
-            elif not nodes[node].alive:
+            if node is not None and not nodes[node].alive:
                 raise ValueError(f"node {node!r} is lost")
-            # cell (and netns) names are machine-wide: another cluster on this host has a w1 too
-            w = WorkerRecord(id=wid, model=served, node=node, gpus=gpus, cell_id=f"{wid}-c{uuid.uuid4().hex[:6]}",
-                             reservation=f"relocator-{wid}-launch", model_dir=model_dir, state="starting",
-                             engine=engine)
+        demand = Demand(id=wid, kind=DemandKind.LAUNCH, model=served, gpus=int(gpus), priority=int(priority),
+                        engine=engine, model_dir=model_dir, time_limit_s=time_limit_s)
+        if node is not None:  # the operator chose: no planning, no queue
+            if dry_run:
+                return {"dry_run": True, "demand": demand.summary(), "plan": Seating(node).to_dict()}
+            with self._seating:
+                w = self._claim(demand, node)
+            return self._start_claimed(w, demand, t0=time.monotonic())
+        return self._seat_demand(demand, make_room=make_room, dry_run=dry_run, queue=make_room, faults=faults)
+
+    # -- the scheduling layer: demands, making room, suspend and resume ---------------------------
+    def _view(self) -> tuple[list[NodeView], list[Seat]]:
+        """Live nodes (free GPUs: the lower of Ray's view and the records', as either may lag
+        the other) and the workers holding GPUs on them."""
+        nodes = {n.id: n for n in self.inventory(refresh=True).values() if n.alive}
+        workers = self.store.workers()
+        held: dict[str, int] = {}
+        for w in workers:
+            if w.node in nodes and w.reservation and w.state in HOLDING_STATES:
+                held[w.node] = held.get(w.node, 0) + w.gpus
+        sizes: dict[str, int] = {}
+        for r in self.store.relocations():
+            if r.image_bytes:
+                sizes[r.worker] = r.image_bytes
+            if r.result == RUNNING and r.dst in nodes and r.reservation:
+                held[r.dst] = held.get(r.dst, 0) + next((w.gpus for w in workers if w.id == r.worker), 0)
+        view = [NodeView(n.id, n.gpus_total, max(0, min(n.gpus_free, n.gpus_total - held.get(n.id, 0))))
+                for n in nodes.values()]
+        seats = [Seat(w.id, w.node, w.gpus, w.priority, movable=w.state == WorkerState.RUNNING and w.id not in self._busy,
+                      bytes=sizes.get(w.id, 0))
+                 for w in workers if w.node in nodes and w.reservation and w.state in HOLDING_STATES]
+        return view, seats
+
+    def _plan_seating(self, demand: Demand, make_room: bool, exclude: tuple[str, ...] = ()) -> Seating:
+        nodes, seats = self._view()
+        exclude = tuple(exclude) + tuple(sorted(self.cordoned()))
+        policy = self.policy.value
+        if not make_room:
+            node = scheduling.fits(nodes, demand.gpus, policy, exclude=exclude)
+            return Seating(node, reason="" if node else f"no node has {demand.gpus} free GPU(s)")
+        seating = scheduling.make_room(nodes, seats, demand.gpus, max_moves=self.max_moves, policy=policy,
+                                       exclude=exclude)
+        if seating.node is None and any(s.movable and s.priority < demand.priority for s in seats):
+            preempt = scheduling.preempt(nodes, seats, demand.gpus, demand.priority, exclude=exclude)
+            if preempt.node is not None:
+                return preempt
+            seating.reason += f"; {preempt.reason}"
+        return seating
+
+    def _queue(self, demand: Demand, reason: str) -> dict:
+        """The demand waits: stored as pending, retried by the reconcile loop."""
+        demand.state, demand.reason = DemandState.PENDING, reason
+        demand.attempts += 1
+        demand.last_try = time.time()
+        first = self.store.demand(demand.id) is None or self.store.demand(demand.id).state != DemandState.PENDING
+        self.store.save_demand(demand)
+        with self._lock:
+            self._placing.discard(demand.id)
+        if first:
+            self.emit(EventKind.DEMAND_PENDING, demand=demand.id, demand_kind=demand.kind, model=demand.model,
+                      gpus=demand.gpus, priority=demand.priority, reason=reason)
+        return {"id": demand.id, "state": DemandState.PENDING.value, "demand": demand.summary()}
+
+    def _seat_demand(self, demand: Demand, make_room: bool = True, dry_run: bool = False, queue: bool = True,
+                     faults: dict | None = None) -> dict:
+        """Plan and seat one demand: moves and suspends first (one seating at a time), the GPUs
+        reserved, then the worker started (a cold launch or a restore) outside the lock."""
+        t0 = time.monotonic()
+        with self._seating:
+            if demand.kind is DemandKind.RESUME:
+                w = self.store.worker(demand.id)
+                if w is None or w.state != WorkerState.SUSPENDED:
+                    self.store.delete_demand(demand.id)
+                    raise RuntimeError(f"worker {demand.id} is not suspended")
+            seating = self._plan_seating(demand, make_room)
+            if dry_run:
+                return {"dry_run": True, "demand": demand.summary(), "plan": seating.to_dict()}
+            if seating.node is None:
+                if not queue:
+                    raise RuntimeError(seating.reason)
+                return self._queue(demand, seating.reason)
+            with self._lock:
+                self._placing.add(demand.id)
+            if seating.moves or seating.suspends:
+                demand.state = DemandState.PLACING
+                self.store.save_demand(demand)
+                self.emit(EventKind.ROOM_PLANNED, demand=demand.id, node=seating.node,
+                          moves=[m.to_dict() for m in seating.moves], suspends=seating.suspends)
+                error = self._make_room(demand, seating, faults)
+                if error:
+                    log.warning("demand %s: making room failed: %s", demand.id, error)
+                    if not queue:
+                        with self._lock:
+                            self._placing.discard(demand.id)
+                        self.store.delete_demand(demand.id)
+                        raise RuntimeError(error)
+                    return self._queue(demand, f"making room failed: {error}")
+            try:
+                claimed = (self._claim(demand, seating.node, timeout=60.0 if seating.moves or seating.suspends else 15.0)
+                           if demand.kind is DemandKind.LAUNCH else
+                           self._claim_resume(self.store.worker(demand.id), seating.node,
+                                              timeout=60.0 if seating.moves or seating.suspends else 15.0))
+            except Exception as exc:  # noqa: BLE001
+                with self._lock:
+                    self._placing.discard(demand.id)
+                if queue:
+                    return self._queue(demand, f"could not reserve {demand.gpus} GPU(s) on {seating.node}: {exc}")
+                raise
+        extra = {"moves": [m.to_dict() for m in seating.moves], "suspended": seating.suspends}
+        if demand.kind is DemandKind.LAUNCH:
+            return self._start_claimed(claimed, demand, t0, extra)
+        return self._restore_claimed(claimed, demand, t0, extra)
+
+    def _make_room(self, demand: Demand, seating: Seating, faults: dict | None = None) -> str:
+        """Suspend, then move, as the seating says (independent steps concurrently). Returns ""
+        or what failed: the plan stops there, and every worker still serves."""
+        errors: list[str] = []
+        threads = [threading.Thread(target=lambda wid=wid: self._collect(errors, f"suspend {wid}", lambda: self.suspend(
+            wid, reason=SuspendReason.PREEMPTED, by=demand.id)), daemon=True) for wid in seating.suspends]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            return "; ".join(errors)
+        results = self._run_moves(seating.moves, faults=faults)
+        bad = [f"move of {r['worker']} to {r['to']} {r['result']}: {r['error'][:300]}" for r in results
+               if r["result"] != "done"]
+        return "; ".join(bad)
+
+    @staticmethod
+    def _collect(errors: list[str], what: str, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"{what}: {exc}")
+
+    def _run_moves(self, moves: list[MovePlan], transfer: str | None = None, faults: dict | None = None) -> list[dict]:
+        """Independent live moves, all at once; each one's summary (with `blackout_s`)."""
+        started: list[str] = []
+        results: list[dict] = []
+        for i, m in enumerate(moves):
+            try:
+                started.append(self.relocate(m.worker, to=m.dst, transfer=transfer, faults=faults if i == 0 else None,
+                                             wait=False)["id"])
+            except Exception as exc:  # noqa: BLE001 - the others still run; this one failed to start
+                results.append({"worker": m.worker, "from": m.src, "to": m.dst, "result": "failed",
+                                "error": str(exc), "phases": {}, "blackout_s": 0.0})
+        for rid in started:
+            r = self.wait_relocation(rid)
+            r["blackout_s"] = round(sum(v for k, v in r["phases"].items() if k in BLACKOUT_PHASES), 4)
+            results.append(r)
+        return results
+
+    def _claim(self, demand: Demand, node: str, timeout: float = 15.0) -> WorkerRecord:
+        """A new worker's record and its GPUs reserved on `node` (recorded first: the reconcile
+        loop never frees a reservation a record owns)."""
+        w = WorkerRecord(id=demand.id, model=demand.model, node=node, gpus=demand.gpus,
+                         cell_id=f"{demand.id}-c{uuid.uuid4().hex[:6]}", reservation=f"relocator-{demand.id}-launch",
+                         model_dir=demand.model_dir, state=WorkerState.STARTING, engine=demand.engine,
+                         priority=demand.priority, time_limit_s=demand.time_limit_s)
+        with self._lock:
+            self._placing.add(demand.id)
             self._pending_reservations.add(w.reservation)
             self.store.save_worker(w)
-            self._busy.add(wid)
+            self._busy.add(w.id)
         try:
-            self.backend.reserve(w, node, w.reservation)
-            t0 = time.monotonic()
-            info = self.backend.call(node, "launch", w.cell_id, model_dir, served, engine=w.engine)
-            w.launch_s = round(time.monotonic() - t0, 3)
+            self.backend.reserve(w, node, w.reservation, timeout=timeout)
+        except BaseException:
+            self._best_effort(f"freeing {w.reservation}", lambda: self.backend.free(w.reservation))
+            self.store.delete_worker(w.id)
+            with self._lock:
+                self._busy.discard(w.id)
+                self._placing.discard(demand.id)
+                self._pending_reservations.discard(w.reservation)
+            raise
+        return w
+
+    def _start_claimed(self, w: WorkerRecord, demand: Demand, t0: float, extra: dict | None = None) -> dict:
+        """Launch the claimed worker cold, register it with the router; the demand is met."""
+        node = w.node
+        try:
+            t1 = time.monotonic()
+            info = self.backend.call(node, "launch", w.cell_id, w.model_dir, w.model, engine=w.engine)
+            w.launch_s = round(time.monotonic() - t1, 3)
             w.endpoint = info["endpoint"]
-            self.router().add_replica(wid, served, w.endpoint, tokenizer_of(w), engine)
-            w.state = "running"
+            self.router().add_replica(w.id, w.model, w.endpoint, tokenizer_of(w), w.engine)
+            w.state = WorkerState.RUNNING
+            w.deadline = time.time() + w.time_limit_s if w.time_limit_s else None
             self.store.save_worker(w)
-            return {**w.to_dict(), "ready_s": info["ready_s"]}
+            self.store.delete_demand(demand.id)
+            self.emit(EventKind.DEMAND_PLACED, demand=demand.id, demand_kind=demand.kind, worker=w.id, node=node,
+                      seconds=round(time.monotonic() - t0, 3), **(extra or {}))
+            return {**w.to_dict(), "ready_s": info["ready_s"], **(extra or {})}
         except BaseException as exc:
-            self.backend.free(w.reservation)
-            try:
-                self.backend.kill(node, w.cell_id)
-            except Exception:  # noqa: BLE001
-                pass
-            w.state, w.error = "failed", str(exc)
-            self.store.delete_worker(wid)
+            self._best_effort(f"cleaning up the failed launch of {w.id}", lambda: self.backend.free(w.reservation),
+                              lambda: self.backend.kill(node, w.cell_id))
+            self.store.delete_worker(w.id)
+            self.store.delete_demand(demand.id)
+            log.warning("launch of %s failed: %s", w.id, exc)
             raise
         finally:
             with self._lock:
-                self._busy.discard(wid)
+                self._busy.discard(w.id)
+                self._placing.discard(demand.id)
                 self._pending_reservations.discard(w.reservation)
+
+    def suspend(self, worker_id: str, reason: str = SuspendReason.OPERATOR, by: str | None = None) -> dict:
+        """Checkpoint a running worker to the image store and free its GPUs. The router sends its
+        model's new requests to a sibling (the streams the suspend cuts continue there), or holds
+        them (bounded, 503 on timeout) with the cut streams until it resumes. Suspended for any
+        reason but `operator`, it is requeued: a resume demand waits in `pending`."""
+        reason = SuspendReason(reason)
+        w = self.store.worker(worker_id)
+        if w is None:
+            raise KeyError(f"unknown worker {worker_id!r}")
+        with self._lock:
+            if worker_id in self._busy:
+                raise RuntimeError(f"worker {worker_id} is being relocated or started")
+            if w.state != WorkerState.RUNNING:
+                raise RuntimeError(f"worker {worker_id} is {w.state}, not running")
+            self._busy.add(worker_id)
+        t0 = time.monotonic()
+        node, cell, reservation = w.node, w.cell_id, w.reservation
+        image = str(self.node_dir(node) / "images" / f"suspend-{w.id}-{uuid.uuid4().hex[:6]}")
+        try:
+            siblings = [x.id for x in self.store.workers() if x.id != w.id and x.model == w.model
+                        and x.state == WorkerState.RUNNING and x.id not in self._busy]
+            w.state = WorkerState.SUSPENDING
+            self.store.save_worker(w)
+            try:
+                self.backend.hold(w.id)
+                info = self.backend.dump(node, cell, image)
+            except Exception as exc:
+                self._undo_suspend(w, image)
+                raise RuntimeError(f"suspend of {w.id} failed, it serves again: {exc}") from None
+            if siblings:  # the cut streams and new requests go to a sibling, not to the hold queue
+                self._best_effort(f"router: removing {w.id}", lambda: self.router().remove_replica(w.id))
+            self._best_effort(f"killing the suspended source of {w.id}", lambda: self.backend.kill(node, cell))
+            self.backend.free(reservation)
+            w.state, w.image, w.image_node = WorkerState.SUSPENDED, image, node
+            w.node, w.cell_id, w.reservation, w.endpoint, w.deadline = "", "", "", "", None
+            w.suspend_reason, w.suspended_at, w.suspensions = reason.value, time.time(), w.suspensions + 1
+            self.store.save_worker(w)
+            out = {"worker": w.id, "node": node, "reason": reason.value, "image": image,
+                   "image_bytes": int(info.get("bytes", 0)), "sibling": siblings[0] if siblings else None,
+                   "seconds": round(time.monotonic() - t0, 3), "by": by}
+            self.emit(EventKind.WORKER_SUSPENDED, **out)
+            if reason is not SuspendReason.OPERATOR:  # requeued: resumed when capacity returns
+                self._queue(Demand(id=w.id, kind=DemandKind.RESUME, model=w.model, gpus=w.gpus, priority=w.priority,
+                                   engine=w.engine, model_dir=w.model_dir, time_limit_s=w.time_limit_s),
+                            f"suspended ({reason.value}{' by ' + by if by else ''})")
+            return out
+        finally:
+            with self._lock:
+                self._busy.discard(worker_id)
+            self._wake.set()
+
+    def _undo_suspend(self, w: WorkerRecord, image: str) -> None:
+        """A suspend that failed before the source was killed: the source serves again."""
+        def resume_source() -> None:
+            if self.backend.cell_state(w.node, w.cell_id) in ("stopped", "running"):
+                self.backend.resume(w.node, w.cell_id)
+
+        self._best_effort(f"undoing the suspend of {w.id}", resume_source, lambda: self.backend.release(w.id),
+                          *([lambda: self.backend.remove_image(w.node, image)] if image else []))
+        w.state = WorkerState.RUNNING
+        self.store.save_worker(w)
+
+    def resume(self, worker_id: str, node: str | None = None) -> dict:
+        """Restore a suspended worker on `node` (or wherever the planner seats it, making room as
+        a launch does) and switch its traffic back: held requests are released and cut streams
+        continue token-exactly. No room now: its resume demand waits in `pending`."""
+        w = self.store.worker(worker_id)
+        if w is None:
+            raise KeyError(f"unknown worker {worker_id!r}")
+        if w.state != WorkerState.SUSPENDED:
+            raise RuntimeError(f"worker {worker_id} is {w.state}, not suspended")
+        demand = self.store.demand(worker_id) or Demand(
+            id=w.id, kind=DemandKind.RESUME, model=w.model, gpus=w.gpus, priority=w.priority, engine=w.engine,
+            model_dir=w.model_dir, time_limit_s=w.time_limit_s, reason="resumed by the operator")
+        if worker_id in self._placing:
+            raise RuntimeError(f"worker {worker_id} is being resumed")
+        if node is None:
+            return self._seat_demand(demand, make_room=True, queue=True)
+        nodes = self.inventory(refresh=True)
+        if node not in nodes or not nodes[node].alive:
+            raise ValueError(f"unknown or lost node {node!r}; nodes: {', '.join(nodes)}")
+        t0 = time.monotonic()
+        with self._seating:
+            claimed = self._claim_resume(w, node)
+        return self._restore_claimed(claimed, demand, t0)
+
+    def _recover_suspension(self, w: WorkerRecord) -> None:
+        """A suspend or resume the previous controller did not finish. Suspending: a source
+        that still exists serves again (the suspend is undone); one already killed left its
+        image, so the worker is suspended. Resuming: the half-restored copy goes, the worker
+        stays suspended and its resume is requeued."""
+        if w.state == WorkerState.SUSPENDING:
+            state = "absent"
+            try:
+                state = self.backend.cell_state(w.node, w.cell_id)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("recovering the suspend of %s: %s", w.id, exc)
+            if state in ("stopped", "running"):
+                self._undo_suspend(w, "")
+                return
+            image = next(iter(sorted((self.node_dir(w.node) / "images").glob(f"suspend-{w.id}-*"))), None)
+            if image is None or not (image / "manifest.json").exists():
+                w.state, w.error = WorkerState.LOST, "its suspend was interrupted and left no image"
+                self.store.save_worker(w)
+                return
+            self._best_effort(f"freeing {w.reservation}", lambda: self.backend.free(w.reservation))
+            w.image, w.image_node, w.suspend_reason = str(image), w.node, w.suspend_reason or SuspendReason.PREEMPTED
+        else:
+            self._best_effort(f"cleaning up the interrupted resume of {w.id}",
+                              lambda: self.backend.kill(w.node, w.cell_id), lambda: self.backend.free(w.reservation))
+        w.state = WorkerState.SUSPENDED
+        w.node, w.cell_id, w.reservation, w.endpoint = "", "", "", ""
+        self.store.save_worker(w)
+        if w.suspend_reason != SuspendReason.OPERATOR and self.store.demand(w.id) is None:
+            self._queue(Demand(id=w.id, kind=DemandKind.RESUME, model=w.model, gpus=w.gpus, priority=w.priority,
+                               engine=w.engine, model_dir=w.model_dir, time_limit_s=w.time_limit_s),
+                        "requeued by a controller restart")
+
+    def _image_fingerprint(self, image: str) -> dict | None:
+        import json
+
+        try:
+            return json.loads((Path(image) / "manifest.json").read_text()).get("fingerprint")
+        except (OSError, ValueError):
+            return None
+
+    def _claim_resume(self, w: WorkerRecord, node: str, timeout: float = 15.0) -> WorkerRecord:
+        """The fingerprint gate, then the suspended worker's GPUs reserved on `node`."""
+        fp = self._image_fingerprint(w.image)
+        if fp is not None:
+            mismatches = self.backend.call(node, "compatible", fp, timeout=60)
+            if mismatches:
+                raise RuntimeError(f"{node} cannot restore {w.id}: " + "; ".join(mismatches))
+        tag = uuid.uuid4().hex[:6]
+        with self._lock:
+            if w.id in self._busy:
+                raise RuntimeError(f"worker {w.id} is busy")
+            self._busy.add(w.id)
+            self._placing.add(w.id)
+            w.node, w.cell_id, w.reservation, w.state = node, f"{w.id}-s{tag}", f"relocator-{w.id}-s{tag}", WorkerState.RESUMING
+            self.store.save_worker(w)
+        try:
+            self.backend.reserve(w, node, w.reservation, timeout=timeout)
+        except BaseException:
+            self._best_effort(f"freeing {w.reservation}", lambda: self.backend.free(w.reservation))
+            w.node, w.cell_id, w.reservation, w.state = "", "", "", WorkerState.SUSPENDED
+            self.store.save_worker(w)
+            with self._lock:
+                self._busy.discard(w.id)
+                self._placing.discard(w.id)
+            raise
+        return w
+
+    def _restore_claimed(self, w: WorkerRecord, demand: Demand, t0: float, extra: dict | None = None) -> dict:
+        node = w.node
+        try:
+            image = w.image
+            if self.transfer is TransferMode.STREAM and node != w.image_node:
+                image = str(self.node_dir(node) / "images" / Path(w.image).name)
+                self.backend.transfer(w.image_node, node, w.image, image)
+            info = self.backend.restore(node, image, w.cell_id)
+            w.endpoint = info["endpoint"]
+            self.backend.switch(w.id, w.endpoint)  # registers it again if the router forgot it
+            suspended_s = round(time.time() - (w.suspended_at or time.time()), 3)
+            keep = bool(self.config.get("keep_last_image", True)) and self.transfer is TransferMode.SHARED
+            if keep:
+                self._drop_last_image(w)
+                w.last_image, w.last_image_node = w.image, w.image_node
+            else:
+                self._best_effort(f"removing {w.image}", lambda: self.backend.remove_image(w.image_node, w.image))
+            if image != w.image:
+                self._best_effort(f"removing {image}", lambda: self.backend.remove_image(node, image))
+            w.image, w.image_node, w.suspend_reason, w.suspended_at = "", "", "", None
+            w.state, w.error = WorkerState.RUNNING, ""
+            w.deadline = time.time() + w.time_limit_s if w.time_limit_s else None
+            self.store.save_worker(w)
+            self.store.delete_demand(w.id)
+            out = {"worker": w.id, "node": node, "seconds": round(time.monotonic() - t0, 3),
+                   "suspended_s": suspended_s, "restore": info.get("seconds"), **(extra or {})}
+            self.emit(EventKind.WORKER_RESUMED, **out)
+            self.emit(EventKind.DEMAND_PLACED, demand=demand.id, demand_kind=DemandKind.RESUME, worker=w.id, node=node,
+                      seconds=out["seconds"], **(extra or {}))
+            return {**w.to_dict(), **out}
+        except BaseException as exc:
+            self._best_effort(f"cleaning up the failed resume of {w.id}", lambda: self.backend.kill(node, w.cell_id),
+                              lambda: self.backend.free(w.reservation))
+            w.node, w.cell_id, w.reservation, w.endpoint, w.state = "", "", "", "", WorkerState.SUSPENDED
+            w.error = f"resume on {node} failed: {exc}"
+            self.store.save_worker(w)
+            if self.store.demand(w.id) is not None or w.suspend_reason != SuspendReason.OPERATOR:
+                self._queue(demand, w.error)
+            raise
+        finally:
+            with self._lock:
+                self._busy.discard(w.id)
+                self._placing.discard(w.id)
+
+    def pending(self) -> list[dict]:
+        """Demands waiting for GPUs, highest priority first, then oldest."""
+        return [d.summary() for d in sorted(self.store.demands(), key=lambda d: (-d.priority, d.since))]
+
+    def cancel(self, demand_id: str) -> dict:
+        """Drop a pending demand (a suspended worker stays suspended: `resume` or `stop` it)."""
+        d = self.store.demand(demand_id)
+        if d is None:
+            raise KeyError(f"unknown demand {demand_id!r}")
+        if demand_id in self._placing:
+            raise RuntimeError(f"demand {demand_id} is being placed")
+        self.store.delete_demand(demand_id)
+        return {"id": demand_id, "cancelled": True}
+
+    def consolidate(self, dry_run: bool = False, max_moves: int = 10, transfer: str | None = None) -> dict:
+        """Pack the running workers onto the fewest nodes with live moves (planner.consolidate)."""
+        if int(max_moves) < 1:
+            raise ValueError(f"max_moves must be >= 1, not {max_moves}")
+        transfer = TransferMode(transfer).value if transfer is not None else None
+        t0 = time.monotonic()
+        with self._seating:
+            nodes, seats = self._view()
+            plan = scheduling.consolidate(nodes, seats, max_moves=int(max_moves))
+            moves = plan["moves"]
+            out = {"nodes_freed": plan["nodes_freed"], "moves": [m.to_dict() for m in moves],
+                   "gpus_moved": sum(m.gpus for m in moves)}
+            if dry_run:
+                return {"dry_run": True, **out}
+            results = self._run_moves(moves, transfer=transfer)
+        by_worker = {r["worker"]: r for r in results}
+        still = {w.node for w in self.store.workers() if w.state in HOLDING_STATES}
+        out["nodes_freed"] = [n for n in plan["nodes_freed"] if n not in still]
+        out["moves"] = [{**m.to_dict(), "result": by_worker[m.worker]["result"],
+                         "blackout_s": by_worker[m.worker].get("blackout_s", 0.0),
+                         "relocation": by_worker[m.worker].get("id"), "error": by_worker[m.worker].get("error", "")}
+                        for m in moves]
+        out["gpus_moved"] = sum(m["gpus"] for m in out["moves"] if m["result"] == "done")
+        out["seconds"] = round(time.monotonic() - t0, 3)
+        self.emit(EventKind.CONSOLIDATED, moves=len(moves), nodes_freed=out["nodes_freed"],
+                  gpus_moved=out["gpus_moved"], results=[m["result"] for m in out["moves"]])
+        return out
+
+    # -- reconcile steps of the scheduling layer -------------------------------------------------
+    def update_deadlines(self) -> None:
+        """A worker past its time limit is suspended and requeued (its resume demand waits)."""
+        now = time.time()
+        for w in self.store.workers():
+            if w.state == WorkerState.RUNNING and w.deadline and now >= w.deadline and w.id not in self._busy:
+                threading.Thread(target=self._best_effort, args=(f"time limit of {w.id}", lambda wid=w.id: self.suspend(
+                    wid, reason=SuspendReason.TIME_LIMIT)), name=f"time-limit-{w.id}", daemon=True).start()
+
+    def update_demands(self) -> None:
+        """Pending demands, highest priority first then oldest, retried on a thread whenever
+        capacity changed (or every DEMAND_RETRY_S): a demand that still cannot be met stays."""
+        todo = [d for d in self.store.demands() if d.state == DemandState.PENDING and d.id not in self._placing]
+        if not todo or self._retrying.is_set():
+            return
+        nodes, seats = self._view()
+        sig = (tuple((n.id, n.gpus_free) for n in nodes), tuple(sorted((s.worker, s.node, s.movable) for s in seats)),
+               tuple(sorted(d.id for d in todo)))
+        if sig == self._demand_sig and time.monotonic() - self._demand_tried_at < DEMAND_RETRY_S:
+            return
+        self._demand_sig, self._demand_tried_at = sig, time.monotonic()
+        self._retrying.set()
+        threading.Thread(target=self._retry_demands, args=(todo,), name="demands", daemon=True).start()
+
+    def _retry_demands(self, todo: list[Demand]) -> None:
+        try:
+            for d in sorted(todo, key=lambda d: (-d.priority, d.since)):
+                cur = self.store.demand(d.id)
+                if cur is None or cur.state != DemandState.PENDING or cur.id in self._placing:
+                    continue
+                try:
+                    out = self._seat_demand(cur, make_room=True, queue=True)
+                except Exception as exc:  # noqa: BLE001 - one demand failing never stops the others
+                    log.warning("demand %s: %s", d.id, exc)
+                    continue
+                if out.get("state") != DemandState.PENDING:
+                    break  # capacity changed: the next round plans the rest on the new state
+        finally:
+            self._retrying.clear()
+            self._wake.set()
 
     @staticmethod
     def _best_effort(what: str, *steps: Callable[[], Any]) -> None:
@@ -430,6 +925,8 @@ class Controller:
     def stop_worker(self, worker_id: str) -> dict:
         w = self.store.worker(worker_id)
         if w is None:
+            if self.store.demand(worker_id) is not None:  # a launch still pending
+                return {**self.cancel(worker_id), "stopped": True}
             raise KeyError(f"unknown worker {worker_id!r}")
         with self._lock:
             if worker_id in self._busy:
@@ -440,9 +937,14 @@ class Controller:
                 self.router().remove_replica(worker_id)
             except Exception:  # noqa: BLE001
                 pass
-            self.backend.kill(w.node, w.cell_id)
-            self.backend.free(w.reservation)
+            if w.node and w.cell_id:
+                self.backend.kill(w.node, w.cell_id)
+            if w.reservation:
+                self.backend.free(w.reservation)
             self._drop_last_image(w)
+            if w.image:  # a suspended worker's image
+                self._best_effort(f"removing {w.image}", lambda: self.backend.remove_image(w.image_node, w.image))
+            self.store.delete_demand(worker_id)
             self.store.delete_worker(worker_id)
             return {"id": worker_id, "stopped": True}
         finally:
@@ -514,30 +1016,54 @@ class Controller:
         rel = self.store.relocation(relocation_id)
         return rel.to_dict() if rel else None
 
-    def drain(self, node: str, parallel: int = 1, transfer: str | None = None) -> dict:
-        """Move every worker off `node`, live; `parallel` relocations at a time."""
+    def drain(self, node: str, parallel: int = 1, transfer: str | None = None, by: float | str | None = None) -> dict:
+        """Move every worker off `node`, live; `parallel` relocations at a time. With `by` (an
+        epoch time, or a duration from now: 600, "10m"), the node is cordoned (nothing is placed
+        or resumed on it until `uncordon`), and a worker that fits nowhere else, or whose move
+        has not started by then, is suspended instead (requeued: it resumes elsewhere when
+        capacity returns). Without `by`, a worker that fits nowhere fails the drain up front."""
         if node not in self.inventory():
             raise ValueError(f"unknown node {node!r}")
         transfer = TransferMode(transfer) if transfer is not None else None
+        deadline = None
+        if by is not None:
+            try:
+                epoch = float(by)
+            except (TypeError, ValueError):
+                epoch = 0.0
+            deadline = epoch if epoch > 1e9 else time.time() + parse_duration(by)
+            self.store.put("cordon", node, {"node": node, "at": time.time(), "by": deadline})
         t0 = time.monotonic()
         todo = [w for w in self.store.workers() if w.node == node and w.state == "running"]
         # plan all targets up front (evacuation), biggest first
         todo.sort(key=lambda w: -w.gpus)
-        free = {n.id: n.gpus_free for n in self.inventory(refresh=True).values() if n.alive and n.id != node}
-        totals = {n.id: n.gpus_total for n in self.inventory().values() if n.id != node}
+        cordoned = self.cordoned()
+        free = {n.id: n.gpus_free for n in self.inventory(refresh=True).values()
+                if n.alive and n.id != node and n.id not in cordoned}
+        totals = {n.id: n.gpus_total for n in self.inventory().values() if n.id in free}
         plan: list[tuple[str, str]] = []
+        suspend: list[str] = []
         for w in todo:
             dst = best_fit(free, w.gpus, totals=totals, policy=self.policy)
             if dst is None:
-                raise RuntimeError(f"cannot drain {node}: no room for {w.id} ({w.gpus} GPU) elsewhere")
+                if deadline is None:
+                    raise RuntimeError(f"cannot drain {node}: no room for {w.id} ({w.gpus} GPU) elsewhere")
+                suspend.append(w.id)
+                continue
             free[dst] -= w.gpus
             plan.append((w.id, dst))
         results: list[dict] = []
+        suspended: list[dict] = []
+        for wid in suspend:
+            self._collect_into(suspended, wid, lambda wid=wid: self.suspend(wid, reason=SuspendReason.DRAIN))
         pending = list(plan)
         running: list[str] = []
         while pending or running:
             while pending and len(running) < max(1, parallel):
                 wid, dst = pending.pop(0)
+                if deadline is not None and time.time() >= deadline:  # too late to move: set aside
+                    self._collect_into(suspended, wid, lambda wid=wid: self.suspend(wid, reason=SuspendReason.DRAIN))
+                    continue
                 running.append(self.relocate(wid, to=dst, transfer=transfer, wait=False)["id"])
             time.sleep(0.2)
             for rid in list(running):
@@ -546,8 +1072,24 @@ class Controller:
                     running.remove(rid)
                     results.append(rel.summary())
         left = [w.id for w in self.store.workers() if w.node == node]
-        return {"node": node, "relocations": results, "workers_left": left,
-                "drained": not left, "seconds": round(time.monotonic() - t0, 3)}
+        return {"node": node, "relocations": results, "suspended": suspended, "workers_left": left,
+                "drained": not left, "seconds": round(time.monotonic() - t0, 3),
+                "by": deadline, "met_deadline": None if deadline is None else time.time() <= deadline}
+
+    def _collect_into(self, out: list[dict], wid: str, fn: Callable[[], dict]) -> None:
+        try:
+            out.append(fn())
+        except Exception as exc:  # noqa: BLE001 - the rest of the drain goes on
+            out.append({"worker": wid, "error": str(exc)})
+
+    def cordoned(self) -> set[str]:
+        """Nodes drained with a deadline: nothing is placed or resumed on them until uncordoned."""
+        return {d["node"] for d in self.store.all("cordon")}
+
+    def uncordon(self, node: str) -> dict:
+        self.store.delete("cordon", node)
+        self._wake.set()
+        return {"node": node, "cordoned": False}
 
     # -- reporting ---------------------------------------------------------------------------------
     def status(self) -> dict:
@@ -559,7 +1101,11 @@ class Controller:
             "workers": [{"id": w.id, "model": w.model, "node": w.node, "state": w.state, "endpoint": w.endpoint,
                          "gpus": w.gpus, "cell": w.cell_id, "reservation": w.reservation,
                          "replacements": w.replacements, "last_image": w.last_image,
-                         "error": w.error} for w in self.store.workers()],
+                         "priority": w.priority, "time_limit_s": w.time_limit_s, "deadline": w.deadline,
+                         "image": w.image, "suspend_reason": w.suspend_reason, "suspended_at": w.suspended_at,
+                         "suspensions": w.suspensions, "error": w.error} for w in self.store.workers()],
+            "pending": self.pending(),
+            "cordoned": sorted(self.cordoned()),
             "relocations": [r.summary() for r in self.store.relocations()],
             "controller": {**self.ping(), "loop": self.loop_stats},
             # where Prometheus scrapes (docs/observability.md) and where events go

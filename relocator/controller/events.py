@@ -34,6 +34,13 @@ class EventKind(Choice):
     WORKER_LOST = "worker_lost"  # worker, node, error
     REPLACEMENT_STARTED = "replacement_started"  # worker, from_node
     REPLACEMENT_FINISHED = "replacement_finished"  # worker, from_node, to_node, how, ok, seconds, error
+    # the scheduling layer (docs/api.md): demands, the moves that make room, suspends, resumes
+    DEMAND_PENDING = "demand_pending"  # demand, demand_kind, model, gpus, priority, reason
+    DEMAND_PLACED = "demand_placed"  # demand, demand_kind, worker, node, moves, suspended, seconds
+    ROOM_PLANNED = "room_planned"  # demand, node, moves [{worker, from, to}], suspends
+    WORKER_SUSPENDED = "worker_suspended"  # worker, node, reason, image_bytes, sibling, seconds
+    WORKER_RESUMED = "worker_resumed"  # worker, node, seconds, suspended_s
+    CONSOLIDATED = "consolidated"  # moves, nodes_freed, gpus_moved, results
 
 
 def json_line_logger(path: Path | None) -> None:

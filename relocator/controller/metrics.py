@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from relocator.controller.inventory import NodeInfo
-from relocator.controller.model import PHASES, RUNNING, Relocation, WorkerRecord
+from relocator.controller.model import PHASES, RUNNING, Relocation, WorkerRecord, WorkerState
 from relocator.controller.store import Store
 
 log = logging.getLogger("relocator.controller")
@@ -30,7 +30,7 @@ log = logging.getLogger("relocator.controller")
 PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 IMAGE_BUCKETS = tuple(float(1 << s) for s in range(24, 41, 2))  # 16 MiB .. 1 TiB, x4
 #: every state a worker record takes (WorkerRecord.state), so each series exists, at 0 too
-WORKER_STATES = ("starting", "running", "relocating", "replacing", "lost", "failed")
+WORKER_STATES = WorkerState.values()
 
 
 def _histogram(name: str, doc: str, label_names: list[str], series: dict[tuple, list[float]],

@@ -48,6 +48,60 @@ class TransferMode(Choice):
     STREAM = "stream"  # agent to agent, hashed as it arrives
 
 
+class WorkerState(Choice):
+    """Every state a worker record takes, written in one place (a metric label too)."""
+
+    STARTING = "starting"  # launching: reserved, engine loading
+    RUNNING = "running"
+    RELOCATING = "relocating"  # a relocation owns it
+    REPLACING = "replacing"  # its node or cell was lost: a new copy is starting
+    LOST = "lost"
+    FAILED = "failed"
+    SUSPENDING = "suspending"  # being checkpointed to the image store
+    SUSPENDED = "suspended"  # an image, no GPUs (a resume demand may be pending)
+    RESUMING = "resuming"  # being restored from its image
+
+
+class SuspendReason(Choice):
+    """Why a worker was set aside (a suspend keeps its work: it resumes from its image)."""
+
+    OPERATOR = "operator"  # `relocator suspend`: resumed by `relocator resume`
+    PREEMPTED = "preempted"  # a higher-priority demand needed its GPUs: resumed automatically
+    TIME_LIMIT = "time_limit"  # its time limit ran out: requeued, resumed automatically
+    DRAIN = "drain"  # its node was drained and nothing else fitted: resumed automatically
+
+
+class DemandKind(Choice):
+    """What a demand seats: a new worker, or a suspended one again."""
+
+    LAUNCH = "launch"
+    RESUME = "resume"
+
+
+class DemandState(Choice):
+    PENDING = "pending"  # waits for capacity; the reconcile loop retries it
+    PLACING = "placing"  # moves / suspends / the start itself in progress
+    PLACED = "placed"  # its worker serves (the record is then removed)
+
+
+def parse_duration(value: str | float | int | None) -> float | None:
+    """Seconds from `90`, `"90s"`, `"15m"`, `"2h"`, `"1d"` (None: no limit). ValueError otherwise."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, (int, float)):
+        secs = float(value)
+    else:
+        import re
+
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", str(value))
+        if not m:
+            raise ValueError(f"bad duration {value!r}; use e.g. 90, 90s, 15m, 2h, 1d")
+        secs = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+    if secs <= 0:
+        raise ValueError(f"a duration must be > 0, not {value!r}")
+    return secs
+
+
 def phase_index(phase: str | None) -> int:
     return PHASES.index(phase) if phase in PHASES else -1
 
@@ -61,7 +115,7 @@ class WorkerRecord:
     engine: str = DEFAULT_ENGINE
     cell_id: str = ""
     endpoint: str = ""
-    state: str = "starting"  # starting | running | relocating | lost | failed | stopped
+    state: str = WorkerState.STARTING  # a WorkerState
     reservation: str = ""  # name of the placement group holding its GPUs
     model_dir: str = ""
     launch_s: float = 0.0
@@ -70,6 +124,14 @@ class WorkerRecord:
     replacements: int = 0  # fresh launches after its copy was lost
     last_image: str = ""  # its newest image (kept after a move on shared storage), for a warm restart
     last_image_node: str = ""
+    priority: int = 0  # a demand of higher priority may suspend it (it resumes later)
+    time_limit_s: float | None = None  # suspended and requeued after running this long
+    deadline: float | None = None  # when its current run reaches its time limit
+    image: str = ""  # while suspended: the image it resumes from
+    image_node: str = ""
+    suspend_reason: str = ""  # a SuspendReason while suspended
+    suspended_at: float | None = None
+    suspensions: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,6 +139,42 @@ class WorkerRecord:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "WorkerRecord":
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass
+class Demand:
+    """GPUs wanted and not yet held: a launch that did not fit, or a suspended worker to resume.
+    Its id is the worker's id. Stored while it waits; removed once its worker serves."""
+
+    id: str
+    kind: DemandKind
+    model: str
+    gpus: int
+    priority: int = 0
+    engine: str = DEFAULT_ENGINE
+    model_dir: str = ""
+    time_limit_s: float | None = None
+    state: DemandState = DemandState.PENDING
+    reason: str = ""  # why it still waits
+    since: float = field(default_factory=time.time)
+    attempts: int = 0
+    last_try: float | None = None
+
+    def __post_init__(self) -> None:
+        self.kind = DemandKind(self.kind)
+        self.state = DemandState(self.state)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Demand":
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+    def summary(self) -> dict[str, Any]:
+        return {"id": self.id, "kind": self.kind.value, "model": self.model, "gpus": self.gpus,
+                "priority": self.priority, "since": self.since, "reason": self.reason, "state": self.state.value,
+                "attempts": self.attempts}
 
 
 @dataclass

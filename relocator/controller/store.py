@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator
 
-from relocator.controller.model import RUNNING, Relocation, WorkerRecord
+from relocator.controller.model import RUNNING, Demand, Relocation, WorkerRecord
 
 
 class Store:
@@ -100,3 +100,16 @@ class Store:
 
     def open_relocations(self) -> list[Relocation]:
         return [r for r in self.relocations() if r.result == RUNNING]
+
+    def save_demand(self, d: Demand) -> None:
+        self.put("demand", d.id, d.to_dict())
+
+    def demand(self, did: str) -> Demand | None:
+        d = self.get("demand", did)
+        return Demand.from_dict(d) if d else None
+
+    def demands(self) -> list[Demand]:
+        return [Demand.from_dict(d) for d in self.all("demand")]
+
+    def delete_demand(self, did: str) -> None:
+        self.delete("demand", did)
