@@ -92,6 +92,15 @@ class EngineAdapter(abc.ABC):
     def parse_metrics(self, text: str) -> dict[str, float]:
         """Engine metrics from a Prometheus text page, as name -> value (summed over labels)."""
 
+    def missing(self) -> str | None:
+        """Why this engine cannot run on this machine (None: it can)."""
+        import importlib.util
+
+        for mod, what in self.requirements:
+            if importlib.util.find_spec(mod) is None:
+                return f"python module {mod} is missing (from {what})"
+        return None
+
     def codec(self) -> "ContinuationCodec":
         """How the router continues this engine's streams."""
         return get_codec(self.name)

@@ -109,13 +109,16 @@ def _tools() -> list[Check]:
 
 def _python() -> list[Check]:
     out = []
-    from adapters.base import DEFAULT_ENGINE, get_adapter
-
-    needed = (*get_adapter(DEFAULT_ENGINE).requirements, ("ray", "ray"), ("aiohttp", "aiohttp"))
-    for mod, what in needed:
+    for mod, what in (("ray", "ray"), ("aiohttp", "aiohttp")):
         found = importlib.util.find_spec(mod) is not None
         out.append(Check(name=f"python {mod}", ok=found, detail="importable" if found else "missing",
                          fix=f"scripts/install.sh (installs {what} into .venv)"))
+    from adapters.base import engine_names, get_adapter
+
+    for name in engine_names():
+        why = get_adapter(name).missing()
+        out.append(Check(name=f"engine {name}", ok=why is None, detail=why or "installed",
+                         fix="scripts/install.sh"))
     tv = importlib.util.find_spec("torchvision") is not None
     out.append(Check(name="python torchvision absent", ok=not tv,
                      detail="installed (breaks transformers imports beside the CPU torch)" if tv else "absent",

@@ -41,4 +41,6 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$HASH" ]; then
 else
   log "Python dependencies up to date"
 fi
+# SGLang, the second engine, in its own venv (.venv-sglang: its pins conflict with vLLM's)
+bash "$ROOT/scripts/install-sglang.sh"
 "$VPY" -m relocator preflight

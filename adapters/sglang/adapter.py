@@ -69,6 +69,9 @@ class Adapter(EngineAdapter):
     # what preflight can check from relocator's own environment: the server's interpreter
     requirements = ()
 
+    def missing(self) -> str | None:
+        return None if installed() else f"no SGLang environment at {sglang_venv()}"
+
     def command(self, spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
         argv = [
             sglang_python(), "-m", "adapters.sglang.launcher",
