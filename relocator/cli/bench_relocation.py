@@ -10,6 +10,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import typer
 
+from adapters.base import DEFAULT_ENGINE, Engine
 from relocator.cli import bench_app
 from relocator.cli.common import console, handle_errors, print_json
 from relocator.controller.model import TransferMode
@@ -18,7 +19,7 @@ MODEL = "tiny-llama"
 
 
 def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode = TransferMode.SHARED,
-              base_dir: str = "/var/lib/relocator/bench") -> dict:
+              base_dir: str = "/var/lib/relocator/bench", engine: str = DEFAULT_ENGINE) -> dict:
     import relocator
     from relocator.cluster.scenario import relocate_under_load
     from relocator.cluster.streams import first_token_s
@@ -26,7 +27,7 @@ def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode = 
     ctl = relocator.start(nodes=2, gpus_per_node=4, base_dir=base_dir)
     try:
         t = time.monotonic()
-        w = ctl.launch(MODEL, 2, "n1")
+        w = ctl.launch(MODEL, 2, "n1", engine=engine)
         ttft = first_token_s(ctl.router_url, MODEL)
         cold = time.monotonic() - t
         res = relocate_under_load(ctl, w["id"], "n2", MODEL, concurrency=streams, max_tokens=max_tokens,
@@ -46,6 +47,7 @@ def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode = 
         "client_errors": load["client_errors"],
         "streams": streams, "max_tokens": max_tokens, "requests": load["requests"], "tokens": load["tokens"],
         "result": rel["result"], "client_max_gap_s": [c["max_gap_s"] for c in load["clients"]],
+        "engine": engine,
     }
     return out
 
@@ -57,9 +59,10 @@ def bench_relocation(json_out: bool = typer.Option(False, "--json", help="print 
                      max_tokens: int = typer.Option(256, help="tokens per request"),
                      transfer: TransferMode = typer.Option(TransferMode.SHARED,
                                                            help="stream: agent to agent, checksummed"),
-                     cluster_dir: str = typer.Option("/var/lib/relocator/bench", "--cluster-dir")) -> None:
+                     cluster_dir: str = typer.Option("/var/lib/relocator/bench", "--cluster-dir"),
+                     engine: Engine = typer.Option(Engine(DEFAULT_ENGINE), help="the worker's engine")) -> None:
     """Blackout, phases and token check of one live relocation vs a cold start."""
-    out = run_bench(streams, max_tokens, transfer, cluster_dir)
+    out = run_bench(streams, max_tokens, transfer, cluster_dir, engine.value)
     if json_out:
         print_json(out)
         return
