@@ -24,7 +24,7 @@ async def run(streams: int = 1000, baseline_streams: int = 200, concurrency: int
               log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     import openai
 
-    from adapters.base import LaunchSpec, get_adapter
+    from adapters.base import DEFAULT_ENGINE, LaunchSpec, get_adapter
     from loadtests.cutproxy import RepeatCutProxy
     from relocator.local_worker import free_port, start_local_worker
     from relocator.router.config import BackendConfig, RouterSettings
@@ -33,7 +33,7 @@ async def run(streams: int = 1000, baseline_streams: int = 200, concurrency: int
 
     t_all = time.monotonic()
     model_dir = ensure_tiny_model()
-    workers = [start_local_worker(get_adapter("vllm"), LaunchSpec(
+    workers = [start_local_worker(get_adapter(DEFAULT_ENGINE), LaunchSpec(
         model_dir=model_dir, served_model_name="tiny-llama", port=free_port())) for _ in range(2)]
     try:
         log("starting two vLLM CPU workers")
