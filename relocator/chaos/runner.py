@@ -47,6 +47,7 @@ class ChaosConfig:
     nodes: int = 3
     gpus_per_node: int = 4
     stop_workers: bool = True  # stop the workers it launched at the end
+    engine: str | None = None  # the workers' engine (None: the default engine)
 
     @classmethod
     def smoke(cls, **kw: Any) -> "ChaosConfig":
@@ -56,6 +57,15 @@ class ChaosConfig:
 
 
 # ---- small helpers -----------------------------------------------------------------------------
+def _chat_fraction(engine: str | None) -> float:
+    """Half the streams are chat, unless the engine cannot continue a chat stream (SGLang):
+    chaos checks moves, not what an engine cannot do."""
+    from adapters.base import DEFAULT_ENGINE, get_codec
+
+    codec = get_codec(engine or DEFAULT_ENGINE)
+    return 0.5 if codec.unsupported_reason("chat", {"messages": []}) is None else 0.0
+
+
 def _post_ok(url: str, timeout: float = 5.0) -> bool:
     body = json.dumps({"model": MODEL, "prompt": "probe", "max_tokens": 1, "temperature": 0}).encode()
     req = urllib.request.Request(url.rstrip("/") + "/v1/completions", data=body,
@@ -506,14 +516,16 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(cfg.workers) as pool:
-            ws = list(pool.map(lambda _: ctl.launch(MODEL, gpus=cfg.gpus), range(cfg.workers)))
+            ws = list(pool.map(lambda _: ctl.launch(MODEL, gpus=cfg.gpus, engine=cfg.engine),
+                               range(cfg.workers)))
         launched = [w["id"] for w in ws]
         seen_cells.update(w["cell_id"] for w in ws)
         report["launch_s"] = round(time.monotonic() - t, 3)
         say(f"launched {', '.join(w['id'] + '@' + w['node'] for w in ws)} ({report['launch_s']:.0f}s)")
         lcfg = LoadConfig(url=ctl.router_url, model=MODEL, concurrency=cfg.streams, duration_s=1e9,
                           output_tokens=list(cfg.output_tokens), prompt_words=[8, 32], distinct=12,
-                          greedy_fraction=0.75, seed=cfg.seed, request_timeout_s=300)
+                          greedy_fraction=0.75, seed=cfg.seed, request_timeout_s=300,
+                          chat_fraction=_chat_fraction(cfg.engine))
         ref = asyncio.run(make_reference(lcfg, url=ws[0]["endpoint"]))
         load = _LoadThread(lcfg).start()
         time.sleep(1.0)

@@ -9,6 +9,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import typer
 from rich.table import Table
 
+from adapters.base import DEFAULT_ENGINE, Engine
 from relocator.cli import app
 from relocator.cli.common import choice_list, console, handle_errors, print_json
 
@@ -46,6 +47,7 @@ def chaos_cmd(duration: float = typer.Option(None, "--duration", help="stop star
               out: str = typer.Option(None, "--out", help="write the full JSON report here"),
               cluster_dir: str = typer.Option(None, "--cluster-dir",
                                               help="a running cluster (else one is started here and stopped after)"),
+              engine: Engine = typer.Option(Engine(DEFAULT_ENGINE), "--engine", help="the workers' engine"),
               json_out: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Random forced relocations under greedy streaming load, with injected faults; every outcome checked."""
     import json
@@ -56,7 +58,7 @@ def chaos_cmd(duration: float = typer.Option(None, "--duration", help="stop star
 
     fl = parse_faults(faults) if faults is not None else None
     kw = dict(duration_s=duration, moves=moves, moves_per_minute=moves_per_minute, faults=fl, streams=streams,
-              workers=workers, seed=seed, png=png,
+              workers=workers, seed=seed, png=png, engine=engine.value,
               cluster_dir=cluster_dir or os.environ.get("RELOCATOR_CLUSTER_DIR") or str(default_dir()))
     if smoke:
         cfg = ChaosConfig.smoke(**kw)
