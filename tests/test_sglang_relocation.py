@@ -33,5 +33,15 @@ def test_sglang_worker_moves_under_load(relocator_cluster, tiny_model_dir) -> No
         assert moved["node"] != w["node"] and moved["state"] == "running"
         print("sglang relocation", rel["phases"], "blackout", load["blackout_max_s"],
               "image", rel.get("image_bytes"))
+        # a failed restore rolls back: the stopped source resumes and serves, nothing lost
+        res = relocate_under_load(ctl, w["id"], None, w["model"], concurrency=4, max_tokens=128,
+                                  faults={"restore": True}, warmup_s=1.0)
+        rel, load = res["relocation"], res["load"]
+        assert rel["result"] == "rolled_back" and rel["error"].startswith("RESTORE"), rel
+        assert load["client_errors"] == 0, load["errors"]
+        assert (load["tokens_lost"], load["tokens_duplicated"], load["tokens_mismatched"]) == (0, 0, 0)
+        assert load["text_mismatched"] == 0, load["text_bad"]
+        after = next(x for x in ctl.status()["workers"] if x["id"] == w["id"])
+        assert (after["node"], after["cell"], after["state"]) == (moved["node"], moved["cell"], "running")
     finally:
         ctl.stop_worker(w["id"])
