@@ -49,7 +49,11 @@ def ray_nodes(known: dict[str, str] | None = None) -> dict[str, NodeInfo]:
         if not names:
             continue
         total = int(n["Resources"].get("GPU", 0))
-        free = int(avail.get(n["NodeID"], {}).get("GPU", total)) if n["Alive"] else 0
+        # Ray leaves a resource with nothing available out of a node's entry: a node whose GPUs
+        # are all reserved has no "GPU" key (0 free, not all free); a node missing from the
+        # view altogether (older Ray, no report yet) counts as all free
+        node_avail = avail.get(n["NodeID"])
+        free = (int(node_avail.get("GPU", 0)) if node_avail is not None else total) if n["Alive"] else 0
         out[names[0]] = NodeInfo(names[0], n["NodeID"], total, free, bool(n["Alive"]))
     return dict(sorted(out.items()))
 
