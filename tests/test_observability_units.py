@@ -76,6 +76,16 @@ def test_metrics_are_derived_from_the_records(store) -> None:
     assert got[("relocator_node_gpus", ("kind", "total"), ("node", "n2"))] == 4
     assert got[("relocator_node_up", ("node", "n3"))] == 0
     assert got[("relocator_relocations_running",)] == 0
+    # the scheduling layer's facts: a pending launch demand, a suspended worker
+    from relocator.controller.model import Demand, DemandKind
+
+    store.save_demand(Demand(id="w9", kind=DemandKind.LAUNCH, model="m", gpus=4))
+    w = store.worker("w1")
+    w.state = "suspended"
+    store.save_worker(w)
+    got = scrape(store)
+    assert got[("relocator_pending_demands", ("kind", "launch"))] == 1
+    assert got[("relocator_suspended_workers",)] == 1
     # the machine's events: every phase change, the rollback, each end
     kinds = [k for k, _ in events]
     assert kinds[:2] == [EventKind.RELOCATION_STARTED, EventKind.PHASE_STARTED]

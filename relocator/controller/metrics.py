@@ -58,6 +58,7 @@ class ControllerCollector:
         workers = self.store.workers()
         yield from self.relocation_metrics(rels)
         yield from self.worker_metrics(workers, {r.engine for r in rels if r.engine})
+        yield from self.demand_metrics(self.store.demands(), workers)
         try:
             nodes = self.nodes()
         except Exception as exc:  # noqa: BLE001 - the other metrics still answer
@@ -103,8 +104,26 @@ class ControllerCollector:
         g = GaugeMetricFamily("relocator_relocations_running", "Relocations in progress")
         g.add_metric([], running)
         yield g
-        # relocator_pending_demands / relocator_suspended_workers: once the scheduling layer
-        # (demands, suspend/resume: DESIGN.md) exists; there is nothing to count before it.
+
+    @staticmethod
+    def demand_metrics(demands: list, workers: list[WorkerRecord]) -> Iterator[Metric]:
+        """Demands waiting for GPUs (launches that did not fit, suspended workers to resume),
+        by kind; workers suspended (an image, no GPUs)."""
+        from relocator.controller.model import DemandKind, DemandState
+
+        g = GaugeMetricFamily("relocator_pending_demands", "Demands waiting for capacity, by kind",
+                              labels=["kind"])
+        counts = {k: 0 for k in DemandKind.values()}
+        for d in demands:
+            if d.state == DemandState.PENDING:
+                counts[str(d.kind)] = counts.get(str(d.kind), 0) + 1
+        for kind, n in sorted(counts.items()):
+            g.add_metric([kind], n)
+        yield g
+        s = GaugeMetricFamily("relocator_suspended_workers", "Workers suspended: checkpointed, "
+                              "GPUs released")
+        s.add_metric([], sum(1 for w in workers if w.state == WorkerState.SUSPENDED))
+        yield s
 
     @staticmethod
     def worker_metrics(workers: list[WorkerRecord], engines: set[str]) -> Iterator[Metric]:
