@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 ENGINES: dict[str, str] = {
     "vllm": "adapters.vllm",
     "sglang": "adapters.sglang",
+    "reference": "adapters.reference",
 }
 #: the engine used where none is named (a worker, a cell, a router replica)
 DEFAULT_ENGINE = "vllm"

@@ -1,0 +1,88 @@
+"""Reference engine adapter: launch command, readiness, metrics and fingerprint (the router's
+side is codec.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from adapters.base import EngineAdapter, EngineFingerprint, LaunchSpec, weights_sha256
+from adapters.reference import __version__
+
+
+@lru_cache(maxsize=16)
+def _weight_hash(model_dir: str) -> str:
+    return weights_sha256(Path(model_dir))
+
+
+@lru_cache(maxsize=1)
+def torch_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class Adapter(EngineAdapter):
+    name = "reference"
+    default_port = 8000
+    process_markers = (b"adapters.reference.server",)
+    requirements = (("torch", "torch"), ("tokenizers", "tokenizers"), ("aiohttp", "aiohttp"))
+
+    def command(self, spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
+        argv = [
+            sys.executable, "-m", "adapters.reference.server",
+            "--model", str(spec.model_dir),
+            "--served-model-name", spec.served_model_name,
+            "--host", spec.host,
+            "--port", str(spec.port),
+            "--max-model-len", str(spec.max_model_len),
+        ]
+        # cpu unless the spec asks otherwise (`extra_args`: --device cuda, or the environment)
+        if "--device" not in spec.extra_args:
+            argv += ["--device", spec.env.get("RELOCATOR_REFERENCE_DEVICE", "cpu")]
+        env = {
+            "TOKENIZERS_PARALLELISM": "false",
+            "OMP_NUM_THREADS": "1",
+            **spec.env,
+        }
+        return argv + list(spec.extra_args), env
+
+    def fingerprint(self, spec: LaunchSpec) -> EngineFingerprint:
+        return EngineFingerprint(
+            engine=self.name,
+            engine_version=f"{__version__}+torch{torch_version()}",
+            model_id=spec.served_model_name,
+            weight_sha256=_weight_hash(str(spec.model_dir)),
+            dtype="float32",  # bf16 weights, computed in float32
+            max_model_len=spec.max_model_len,
+            tensor_parallel_size=spec.tensor_parallel_size,
+        )
+
+    async def is_ready(self, base_url: str, timeout: float = 2.0) -> bool:
+        client_timeout = aiohttp.ClientTimeout(total=timeout)
+        try:
+            async with aiohttp.ClientSession(timeout=client_timeout) as session:
+                async with session.get(f"{base_url}/health") as resp:
+                    if resp.status != 200:
+                        return False
+                async with session.get(f"{base_url}/v1/models") as resp:
+                    return resp.status == 200 and bool((await resp.json()).get("data"))
+        except (aiohttp.ClientError, TimeoutError, OSError, json.JSONDecodeError):
+            return False
+
+    def parse_metrics(self, text: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            if not family.name.startswith("reference:"):
+                continue
+            for sample in family.samples:
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+        return out
