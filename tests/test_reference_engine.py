@@ -266,3 +266,45 @@ async def test_router_splices_are_text_exact(ref_worker: LocalWorker, tiny_model
     assert not diffs, [(c, s, p, a[:60], b[:60]) for c, s, p, a, b in diffs[:3]]
     assert splices["engine_text"] == 0
     assert sum(splices.values()) >= 50, splices
+
+
+@pytest.mark.integration
+def test_criu_round_trip_in_a_cell(tiny_model_dir, tmp_path) -> None:
+    """The reference engine in a real cell: dump, restore into a new cell, identical greedy
+    output there; the stopped source resumes and serves the same."""
+    from relocator.snapshot import dump, restore, resume_source
+    from relocator.worker import default_spec, launch_worker, wait_ready
+
+    prompts = ["the cluster node", "a worker moves to a new", "red river mountain light and"]
+
+    async def greedy(endpoint: str) -> list[list[int]]:
+        out = []
+        for p in prompts:
+            r = await _post(endpoint, "/v1/completions", {
+                "model": MODEL, "prompt": p, "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True})
+            out.append(r["choices"][0]["token_ids"])
+        return out
+
+    cell = launch_worker(default_spec(tiny_model_dir, engine="reference"), engine="reference")
+    restored = None
+    try:
+        ready = asyncio.run(wait_ready(cell, timeout=60))
+        print(f"reference engine ready in a cell in {ready:.2f}s")
+        want = asyncio.run(greedy(cell.endpoint))
+        t0 = time.monotonic()
+        img = dump(cell, tmp_path / "image")
+        t1 = time.monotonic()
+        restored = restore(img)
+        asyncio.run(wait_ready(restored, timeout=60))
+        t2 = time.monotonic()
+        print(f"dump {t1 - t0:.2f}s, restore until ready {t2 - t1:.2f}s")
+        assert asyncio.run(greedy(restored.endpoint)) == want
+        restored.kill()
+        restored = None
+        resume_source(cell)
+        assert asyncio.run(greedy(cell.endpoint)) == want
+    finally:
+        if restored is not None:
+            restored.kill()
+        cell.kill()
