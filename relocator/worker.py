@@ -22,12 +22,17 @@ def spec_from_dict(data: dict) -> LaunchSpec:
     return LaunchSpec(**{**data, "model_dir": Path(data["model_dir"])})
 
 
-def launch_worker(spec: LaunchSpec, engine: str = DEFAULT_ENGINE, cell_id: str | None = None) -> Cell:
-    """Start a worker cell; returns at once (the engine is still loading)."""
+def launch_worker(spec: LaunchSpec, engine: str = DEFAULT_ENGINE, cell_id: str | None = None,
+                  gpu_ids: list[int] | None = None) -> Cell:
+    """Start a worker cell; returns at once (the engine is still loading).
+
+    `gpu_ids`: host GPU indices passed through to the cell (relocator.cell.devices); kept out of
+    the LaunchSpec, which travels in images: a restored worker gets the target's GPUs."""
     spec.host = "0.0.0.0"  # inside the cell's own network namespace
     adapter = get_adapter(engine)
     argv, env = adapter.command(spec)
-    return launch_cell(argv, env, spec.port, engine=engine, launch=spec_to_dict(spec), cell_id=cell_id)
+    return launch_cell(argv, env, spec.port, engine=engine, launch=spec_to_dict(spec), cell_id=cell_id,
+                       gpu_ids=gpu_ids)
 
 
 async def wait_ready(cell: Cell, timeout: float = 300.0, poll: float = 0.25) -> float:

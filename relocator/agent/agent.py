@@ -130,10 +130,18 @@ class NodeAgent:
             spec = default_spec(Path(model_dir), served_name, port, engine=engine)
             for k, v in (extra or {}).items():
                 setattr(spec, k, v)
+            cell_gpus = None
             if gpu_ids is not None:
-                spec.env = {**spec.env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpu_ids))}
+                from relocator.cell.devices import host_gpus
+
+                if gpu_ids and host_gpus():
+                    # real GPUs: the cell gets exactly these, numbered 0..n-1 inside it
+                    cell_gpus = list(gpu_ids)
+                else:
+                    # fake GPUs (Ray's counts on a CPU host): only the variable, as before
+                    spec.env = {**spec.env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpu_ids))}
             t0 = time.monotonic()
-            cell = launch_worker(spec, engine=engine, cell_id=cell_id)
+            cell = launch_worker(spec, engine=engine, cell_id=cell_id, gpu_ids=cell_gpus)
             try:
                 ready_s = asyncio.run(wait_ready(cell, timeout=ready_timeout))
             except BaseException:

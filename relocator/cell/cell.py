@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from adapters.base import DEFAULT_ENGINE
-from relocator.cell import netns
+from relocator.cell import devices, netns
 from relocator.paths import state_dir, tail
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -71,6 +71,13 @@ class Cell:
     origin: str = "launch"  # or "restore:<image>"
     created_at: float = field(default_factory=time.time)
     boot_id: str = field(default_factory=boot_id)  # the host boot its PIDs belong to
+    #: its device profile (relocator.cell.devices.DeviceProfile as data); empty: no GPU
+    devices: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def gpu_ids(self) -> list[int]:
+        """Host indices of the GPUs this cell was given (empty on CPU)."""
+        return devices.DeviceProfile.from_dict(self.devices).gpu_ids
 
     @property
     def endpoint(self) -> str:
@@ -201,8 +208,13 @@ def launch_cell(
     cell_id: str | None = None,
     shm_size: str = "2g",
     timeout: float = 20.0,
+    gpu_ids: list[int] | None = None,
 ) -> Cell:
     """Start `argv` as a worker in a new cell listening on `port` inside its namespace.
+
+    `gpu_ids`: host GPU indices the cell gets (their device nodes, driver view and environment,
+    see relocator.cell.devices); none: a CPU cell, as before. An unknown index raises
+    devices.DeviceError before anything is started.
 
     Returns once the cell's init has recorded its host PID; the worker itself may still be
     loading (use the engine adapter's readiness check on `cell.endpoint`).
@@ -212,6 +224,7 @@ def launch_cell(
     for path in (sys.executable, str(REPO_ROOT), argv[0]):
         if os.path.abspath(path).startswith(("/run/", "/dev/shm/")):
             raise CellError(f"{path} is under /run or /dev/shm, which a cell replaces with its own tmpfs")
+    profile = devices.profile_for(gpu_ids)
     cell_id = cell_id or new_cell_id()
     link = netns.create(f"rl-{cell_id}")
     cdir = cells_dir() / cell_id
@@ -223,24 +236,31 @@ def launch_cell(
         "TMPDIR": "/run",
         "PYTHONPATH": str(REPO_ROOT),
         **env,
+        **profile.env(),  # a GPU cell's CUDA ordinals are its own (0..n-1), never host indices
     }
-    (cdir / "launch.json").write_text(json.dumps({"argv": argv, "env": full_env, "shm_size": shm_size}))
+    launch_record = {"argv": argv, "env": full_env, "shm_size": shm_size}
+    if profile.gpus:
+        launch_record["devices"] = profile.to_dict()
+    (cdir / "launch.json").write_text(json.dumps(launch_record))
     (cdir / "init.pid").unlink(missing_ok=True)
     cmd = [
         "setsid", "-f", "ip", "netns", "exec", link.name,
         "unshare", "--pid", "--fork", "--mount", "--ipc", "--uts", "--propagation", "private",
         sys.executable, "-m", "relocator.cell.init", str(cdir),
     ]
-    subprocess.run(cmd, check=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # the init's own errors (building the root) go to init.err in the cell's record; the init
+    # drops that fd before the worker starts, so no host file stays open in the tree
+    with open(cdir / "init.err", "ab") as err:
+        subprocess.run(cmd, check=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
     deadline = time.monotonic() + timeout
     pid_file = cdir / "init.pid"
     while not pid_file.exists():
         if time.monotonic() > deadline:
             netns.delete(link.name)
-            raise CellError(f"cell {cell_id} did not start within {timeout:.0f}s")
+            raise CellError(f"cell {cell_id} did not start within {timeout:.0f}s: {tail(cdir / 'init.err', 20)}")
         time.sleep(0.02)
     cell = Cell(id=cell_id, netns=link.name, ip=link.cell_ip, port=port, init_pid=int(pid_file.read_text()),
-                engine=engine, launch=launch or {})
+                engine=engine, launch=launch or {}, devices=profile.to_dict() if profile.gpus else {})
     cell.save()
     return cell

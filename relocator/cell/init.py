@@ -5,7 +5,8 @@ PID, mount, IPC and UTS namespaces (and the cell's network namespace). Two steps
 
 1. setup, while the host's /proc is still mounted: record our host PID, bind `/` (not
    recursively) as a new root with its own proc, read-only sysfs, a tmpfs /dev with the usual
-   nodes, and private tmpfs /dev/shm and /run (TMPDIR); pivot into it and drop the old root.
+   nodes (plus the GPUs of its device profile, relocator.cell.devices), and private tmpfs
+   /dev/shm and /run (TMPDIR); pivot into it and drop the old root.
    Nothing in the tree then keeps a host file open, so CRIU can dump it whole.
 2. init: close every inherited fd, become a session leader (no --shell-job needed), start the
    worker with its output in /run/worker.log, forward TERM/INT to it and reap every child.
@@ -20,6 +21,8 @@ import platform
 import signal
 import sys
 from pathlib import Path
+
+from relocator.cell import devices
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
@@ -45,7 +48,20 @@ def _mount(src: str, target: str, fstype: str | None, flags: int = 0, data: str 
     )
 
 
-def build_root(shm_size: str) -> None:
+def install_devices(profile: "devices.DeviceProfile", root: Path) -> None:
+    """The cell's GPUs (relocator.cell.devices): the driver's library mounts bound recursively,
+    the assigned GPUs' nodes in the tmpfs /dev, a tmpfs /proc/driver/nvidia with their view."""
+    for mp in profile.driver_mounts:
+        if os.path.isdir(mp) and os.path.isdir(str(root) + mp):
+            _mount(mp, str(root) + mp, None, MS_BIND | MS_REC)
+    devices.write_nodes(profile, root / "dev")
+    proc_nvidia = root / "proc" / "driver" / "nvidia"
+    if profile.proc_files and proc_nvidia.is_dir():
+        _mount("tmpfs", str(proc_nvidia), "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=555,size=1m")
+        devices.write_proc(profile, proc_nvidia)
+
+
+def build_root(shm_size: str, profile: "devices.DeviceProfile | None" = None) -> None:
     os.makedirs(NEW_ROOT, exist_ok=True)
     _mount("none", "/", None, MS_REC | MS_PRIVATE)
     _mount("/", NEW_ROOT, None, MS_BIND)
@@ -60,6 +76,8 @@ def build_root(shm_size: str) -> None:
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
                          ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
         os.symlink(target, root / "dev" / name)
+    if profile is not None and profile.gpus:
+        install_devices(profile, root)
     os.makedirs(root / "dev" / "shm")
     _mount("tmpfs", str(root / "dev" / "shm"), "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={shm_size}")
     _mount("tmpfs", str(root / "run"), "tmpfs", MS_NOSUID | MS_NODEV, "mode=755")
@@ -130,7 +148,7 @@ def main() -> None:
     # Host PID while the host's /proc is still visible: the agent and CRIU need it.
     (state / "init.pid.tmp").write_text(os.readlink("/proc/self"))
     os.replace(state / "init.pid.tmp", state / "init.pid")
-    build_root(spec.get("shm_size", "2g"))
+    build_root(spec.get("shm_size", "2g"), devices.DeviceProfile.from_dict(spec.get("devices")))
     Path("/run/launch.json").write_text(json.dumps(spec))
     # Exec again so that no mapping of ours (python, its libraries) points into the old root's
     # mount, which CRIU could not find.
