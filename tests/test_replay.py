@@ -271,7 +271,29 @@ def test_cli_bench_replay_json_with_a_multigpu_list(tmp_path):
                               "--passes", "3", "--jobs", "1", "--json", "--plot", str(tmp_path / "b.png")])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)["results"]
-    assert {(r["pods"], r["mode"]) for r in out} == {(v, m) for v in ("default", "multigpu50") for m in ("none", "moves", "moves+suspend")}
+    assert {(r["pods"], r["mode"], r["load"]) for r in out} == {(v, m, L) for v in ("default", "multigpu50")
+                                                                for m in ("none", "moves", "moves+suspend") for L in (0.9, 1.3)}
+
+
+def test_cli_bench_replay_seeds_mean_and_spread(tmp_path):
+    d = synth_trace(tmp_path)
+    res = runner.invoke(app, ["bench", "replay", "--trace", str(d), "--policy", "best-fit", "--mode", "none,moves", "--load", "1.3",
+                              "--seeds", "3", "--passes", "3", "--jobs", "1", "--json", "--plot", str(tmp_path / "b.png")])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert len(doc["runs"]) == 6 and {r["seed"] for r in doc["runs"]} == {42, 43, 44}
+    assert len(doc["results"]) == 2
+    for e in doc["results"]:
+        assert e["seeds"] == [42, 43, 44] and len(e["per_seed"]) == 3
+        runs = [r for r in doc["runs"] if r["mode"] == e["mode"]]
+        assert e["wait_s_p99"] == pytest.approx(sum(r["wait_s_p99"] for r in runs) / 3, abs=1e-3)
+        sp = e["spread"]["wait_s_p99"]
+        assert sp["min"] <= e["wait_s_p99"] <= sp["max"] and sp["sd"] >= 0
+        assert e["interventions_per_100_arrivals"] <= 1.0 + 1e-6
+    moves = next(e for e in doc["results"] if e["mode"] == "moves")
+    assert "p99_cut" in moves["spread"] and "alloc_gain" in moves
+    res = runner.invoke(app, ["bench", "replay", "--trace", str(d), "--seeds", "0"])
+    assert res.exit_code == 2 and "--seeds" in res.output
 
 
 @pytest.mark.parametrize("args, option, valid", [
@@ -297,3 +319,94 @@ def test_cli_bad_inputs_are_one_line_errors(tmp_path):
     assert res.exit_code == 2 and "--load" in res.output
     res = runner.invoke(app, ["bench", "replay", "--trace", str(d), "--variants", "nope"])
     assert res.exit_code == 2 and "openb_pod_list_nope.csv" in res.output
+
+
+# ------------------------------------------------------------------------- budget bucket, held nodes
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    mode=st.sampled_from(["moves", "moves+suspend"]),
+    budget=st.sampled_from([1.0, 3.0, 10.0]),
+    cap=st.sampled_from([None, 1.0, 2.0]),
+    load=st.sampled_from([0.9, 1.3]),
+)
+def test_budget_cannot_be_saved_up(seed, mode, budget, cap, load):
+    """Moves and suspensions per 100 arrivals never exceed the budget within the measured
+    window, and over any run of arrivals never exceed the bucket's cap plus the budget."""
+    pods = pods_with_times(40, seed)
+    nodes = [NodeSpec(f"n{i}", 16000, 65536, g) for i, g in enumerate([2, 4, 4, 8])]
+    cfg = ReplayConfig(policy="best-fit", mode=mode, load=load, seed=seed, passes=3, budget_per_100=budget, budget_cap=cap,
+                       moves_per_pod=2)
+    rp = Replay(nodes, build_stream(pods, load, 18000, seed, 3), cfg, TypicalPods.from_workloads([p.workload for p in pods]))
+    r = rp.run()
+    assert r["interventions_measured"] <= budget * r["measured_arrivals"] / 100 + 1e-6
+    assert r["moves_per_100_arrivals"] <= r["interventions_per_100_arrivals"] <= budget + 1e-3
+    cap_ = cap if cap is not None else 2.0
+    log = rp.intervention_log
+    counts = sorted({a for a, _ in log})
+    for i, a in enumerate(counts):  # every run of arrivals [a, b]
+        spent = 0
+        for b in counts[i:]:
+            spent = sum(n for x, n in log if a <= x <= b)
+            assert spent <= cap_ + budget * (b - a) / 100 + 1e-6, (a, b, spent)
+    assert sum(n for _, n in log) == rp.interventions == r["moves"] + r["suspensions"]
+
+
+def test_warmup_allowance_is_not_saved_for_later():
+    """Unspent warm-up budget is gone: a quiet warm-up followed by a burst of heads that need
+    moves gets at most the bucket's cap plus what the burst's own arrivals earn."""
+    warm = [(f"w{i}", 0, 0, float(i), 1.0, "LS") for i in range(300)]  # CPU-only, nothing to move
+    burst = [("p1", 1, 1000, 400.0, 10.0, "LS"), ("p2", 3, 1000, 401.0, 5000.0, "LS"), ("p3", 1, 1000, 402.0, 5000.0, "LS")]
+    burst += [(f"big{i}", 4, 1000, 420.0 + i, 100.0, "LS") for i in range(3)]
+    specs = warm + burst
+    jobs = stream_of(specs).jobs
+    for j in jobs[:300]:
+        j.measured = False
+    st_ = Stream(jobs, 1.0, (400.0, jobs[-1].arrival), 1.0)
+    rp = Replay(NODES, st_, ReplayConfig(policy="best-fit", mode="moves", budget_per_100=50.0, budget_cap=4.0), TYP)
+    r = rp.run()
+    # 300 warm-up arrivals would have earned 150 moves under a cumulative budget; the window's
+    # 6 arrivals earn 3 (the bucket starts empty there)
+    assert r["measured_arrivals"] == 6 and r["interventions_measured"] <= 3
+
+
+def test_moves_avoid_a_node_held_for_another_head():
+    """While a plan clears node A for a 4-GPU head, a 2-GPU pod that fits nowhere else must not
+    take A's free GPUs (neither directly nor by a plan of its own): the first plan seats its head."""
+    nodes = [NodeSpec(x, 64000, 262144, 4) for x in "ABC"]
+    specs = [
+        ("a1", 1, 1000, 0.0, 5000.0, "LS"), ("a2", 1, 1000, 0.1, 5000.0, "LS"),  # A: 2 free
+        ("b1", 3, 1000, 0.2, 5000.0, "LS"), ("c1", 3, 1000, 0.3, 5000.0, "LS"),  # B, C: 1 free each
+        ("big", 4, 1000, 10.0, 100.0, "LS"), ("mid", 2, 1000, 10.5, 100.0, "LS"),
+    ]
+    rp = Replay(nodes, stream_of(specs), ReplayConfig(policy="best-fit", mode="moves", budget_per_100=100.0), TYP)
+    r = rp.run()
+    big, mid = rp.by_id["big"], rp.by_id["mid"]
+    assert r["plans"] == 1 and r["plans_wasted"] == 0 and r["moves"] == 2
+    assert big.start is not None and big.start < 100  # seated after its blackout
+    assert mid.start is not None and mid.start >= big.start + 100 - 1e-6  # waited for big to leave A
+    rp.cluster.check()
+
+
+def test_defragment_allowed_nodes():
+    from relocator.planner import Cluster
+    from relocator.planner.planners import defragment
+
+    c = Cluster([NodeSpec(x, 64000, 262144, 4) for x in "ABC"])
+    c.add(Workload("a", 1000, 1024, 1, 1000), "A", (0,))
+    c.add(Workload("b", 1000, 1024, 1, 1000), "B", (0,))
+    c.add(Workload("c", 1000, 1024, 3, 1000), "C", (0, 1, 2))
+    big = Workload("big", 1000, 1024, 4, 1000)
+    free = defragment(c, big, max_moves=2, policy="best-fit")
+    assert free is not None and free.placement is not None
+    import numpy as np
+
+    allowed = np.ones(3, dtype=bool)
+    allowed[c.node_index(free.placement.node)] = False
+    other = defragment(c, big, max_moves=2, policy="best-fit", allowed=allowed)
+    assert other is not None and other.placement is not None and other.placement.node != free.placement.node
+    assert other.num_moves == 1
+    for mv in other.moves:
+        assert allowed[c.node_index(mv.dst)]
+    assert defragment(c, Workload("one", 1000, 1024, 1, 1000), policy="best-fit", allowed=allowed).placement.node != free.placement.node
+    assert defragment(c, big, max_moves=2, policy="best-fit", allowed=np.zeros(3, dtype=bool)) is None

@@ -1,5 +1,5 @@
-"""`relocator bench replay`: the replay with departures, per pod list x policy x mode x load, in
-one table (docs/benchmarks.md, "Replay with departures")."""
+"""`relocator bench replay`: the replay with departures, per pod list x policy x mode x load
+(x seed), in one table (docs/benchmarks.md, "Replay with departures")."""
 
 from __future__ import annotations
 
@@ -15,6 +15,80 @@ from relocator.cli.replay import MODE_LIST, _load_list, _mode_list, load_list_op
 from relocator.cli.simulate import POLICY_LIST, fail, load_inputs, parse_choices
 from relocator.sim.replay import QueueDiscipline, ReplayMode
 
+#: figures averaged over seeds (mean, sd, min, max)
+AGG_KEYS = ("wait_s_p50", "wait_s_p99", "wait_s_max", "wait_s_p99_all", "alloc_ratio_mean", "queue_len_mean", "moves",
+            "moves_per_hour", "moves_per_100_arrivals", "interventions_per_100_arrivals", "suspensions", "plans",
+            "plans_wasted", "blackout_s_total", "pod_hours_lost", "kill_restart_pod_hours_lost", "measured_arrivals",
+            "window_h", "seconds", "p99_cut", "p50_cut", "alloc_gain")
+
+
+def _stats(xs: list[float]) -> dict:
+    import numpy as np
+
+    a = np.array(xs, dtype=np.float64)
+    return {"mean": float(a.mean()), "sd": float(a.std(ddof=1)) if len(a) > 1 else 0.0, "min": float(a.min()), "max": float(a.max())}
+
+
+def with_gains(results: list[dict]) -> None:
+    """Per run with moves: the cut of the >= 4-GPU p99 (and p50) wait and the gain in mean
+    allocation against the run without moves of the same pod list, policy, load and seed."""
+    base = {(r.get("pods"), r["policy"], r["load"], r["seed"]): r for r in results if r["mode"] == ReplayMode.NONE.value}
+    for r in results:
+        b = base.get((r.get("pods"), r["policy"], r["load"], r["seed"]))
+        if b is None:
+            continue
+        for k, cut in (("wait_s_p99", "p99_cut"), ("wait_s_p50", "p50_cut")):
+            if b[k] and r[k] is not None:
+                r[cut] = round(1.0 - r[k] / b[k], 4)
+        r["alloc_gain"] = round(r["alloc_ratio_mean"] - b["alloc_ratio_mean"], 4)
+
+
+def aggregate(results: list[dict]) -> list[dict]:
+    """One entry per pod list x policy x mode x load: the mean over seeds under each figure's
+    own key, and ``spread`` {key: {mean, sd, min, max}} (sd with n-1; 0 for one seed)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r.get("pods"), r["policy"], r["mode"], r["load"]), []).append(r)
+    out = []
+    for (pods, policy, mode, load), rs in groups.items():
+        e: dict = {"pods": pods, "policy": policy, "mode": mode, "load": load, "queue": rs[0]["queue"],
+                   "seeds": [r["seed"] for r in rs], "spread": {}}
+        for k in AGG_KEYS:
+            xs = [r[k] for r in rs if r.get(k) is not None]
+            if len(xs) < len(rs):
+                e[k] = None
+                continue
+            s = _stats(xs)
+            e["spread"][k] = {x: round(v, 4) for x, v in s.items()}
+            e[k] = round(s["mean"], 4)
+        e["per_seed"] = [{k: r.get(k) for k in ("seed", "wait_s_p50", "wait_s_p99", "alloc_ratio_mean", "moves_per_100_arrivals",
+                                                 "interventions_per_100_arrivals", "plans", "plans_wasted", "p99_cut")} for r in rs]
+        out.append(e)
+    return out
+
+
+def print_aggregate(results: list[dict], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def pm(e: dict, k: str, fmt: str) -> str:
+        if e.get(k) is None:
+            return "-"
+        sd = e["spread"].get(k, {}).get("sd", 0.0)
+        return f"{format(e[k], fmt)} ± {format(sd, fmt)}" if len(e["seeds"]) > 1 else format(e[k], fmt)
+
+    t = Table(title=title)
+    cols = ("pods", "policy", "mode", "load", "seeds", "wait p50 >=4 GPU s", "wait p99 >=4 GPU s", "p99 cut", "alloc mean",
+            "alloc gain", "moves/100 arr.", "interv./100 arr.", "plans (wasted)", "blackout s")
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("pods", "policy", "mode") else "right")
+    for e in results:
+        t.add_row(e["pods"] or "", e["policy"], e["mode"], f"{e['load']:.1f}", str(len(e["seeds"])), pm(e, "wait_s_p50", ".0f"),
+                  pm(e, "wait_s_p99", ".0f"), pm(e, "p99_cut", ".1%"), pm(e, "alloc_ratio_mean", ".3f"), pm(e, "alloc_gain", "+.3f"),
+                  pm(e, "moves_per_100_arrivals", ".2f"), pm(e, "interventions_per_100_arrivals", ".2f"),
+                  f"{e['plans'] or 0:.0f} ({e['plans_wasted'] or 0:.0f})", pm(e, "blackout_s_total", ".0f"))
+    Console(width=240).print(t)
+
 
 @bench_app.command("replay")
 def bench_replay(
@@ -22,15 +96,17 @@ def bench_replay(
     variants: str = typer.Option("default", "--variants", help="Pod lists in --trace, comma-separated: default, multigpu50, gpushare80 ... (openb_pod_list_<name>.csv). Lists without times take them from the default list."),
     policy: str = typer.Option("fgd,best-fit", "--policy", callback=POLICY_LIST, help="Policies, comma-separated."),
     mode: str = typer.Option(",".join(ReplayMode.values()), "--mode", callback=MODE_LIST, help="Modes, comma-separated."),
-    load: str = typer.Option("1.3", "--load", callback=load_list_option, help="Offered loads, comma-separated."),
+    load: str = typer.Option("0.9,1.3", "--load", callback=load_list_option, help="Offered loads, comma-separated."),
     queue: QueueDiscipline = typer.Option(QueueDiscipline.FIFO, "--queue", help="fifo or backfill."),
-    seed: int = typer.Option(42, "--seed", help="Seed."),
+    seed: int = typer.Option(42, "--seed", help="First seed."),
+    seeds: int = typer.Option(1, "--seeds", help="Seeds per configuration (seed, seed+1, ...): figures are the mean over them, with their spread (sd, min, max)."),
     passes: int = typer.Option(4, "--passes", help="Passes of the pod list (the first is warm-up)."),
     moves_per_pod: int = typer.Option(4, "--moves-per-pod", help="Most moves to seat one pod."),
-    budget: float = typer.Option(1.0, "--budget", help="Moves (and suspensions) per 100 arrivals."),
+    budget: float = typer.Option(1.0, "--budget", help="Moves (and suspensions) per 100 arrivals (a bucket capped at --budget-cap)."),
+    budget_cap: Optional[float] = typer.Option(None, "--budget-cap", help="Most moves the budget bucket holds (default: --moves-per-pod)."),
     jobs: int = typer.Option(2, "--jobs", help="Runs in parallel (processes)."),
-    plot: Optional[Path] = typer.Option(Path("docs/img/replay_default.png"), "--plot", help="PNG of the first pod list and policy, at the first load: allocation and queue over time per mode."),
-    as_json: bool = typer.Option(False, "--json", help="One JSON object: {results: [...]}."),
+    plot: Optional[Path] = typer.Option(Path("docs/img/replay_default.png"), "--plot", help="PNG of the first pod list and policy, at the first load and seed: allocation and queue over time per mode."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object: {results: [...] (means over seeds), runs: [...] (one per seed)}."),
 ) -> None:
     """Replay with departures: queueing delay, allocation and moves, with and without relocation."""
     from relocator.sim.trace import POD_FILE, TraceError, load_pods
@@ -38,11 +114,16 @@ def bench_replay(
     policies, _ = parse_choices(policy, "42")
     if passes < 2:
         raise fail("--passes must be >= 2")
+    if seeds < 1:
+        raise fail("--seeds must be >= 1")
+    if budget < 0 or (budget_cap is not None and budget_cap < 0):
+        raise fail("--budget and --budget-cap must not be negative")
     tdir, nodes, default_pods = load_inputs(trace, None)
     names = [v.strip() for v in variants.split(",") if v.strip()]
     if not names:
         raise fail("no pod list given in --variants")
-    results: list[dict] = []
+    loads = _load_list(load)
+    runs: list[dict] = []
     first_series: list[dict] = []
     for name in names:
         path = tdir / (POD_FILE if name == "default" else f"openb_pod_list_{name}.csv")
@@ -50,25 +131,30 @@ def bench_replay(
             pods = default_pods if name == "default" else load_pods(path)
         except TraceError as exc:
             raise fail(str(exc)) from None
-        cfgs = make_configs(policies, _mode_list(mode), _load_list(load), seed, queue, passes, moves_per_pod, budget,
-                            None, None, 0.0, None, False)
+        cfgs = [c for s in range(seed, seed + seeds)
+                for c in make_configs(policies, _mode_list(mode), loads, s, queue, passes, moves_per_pod, budget,
+                                      None, None, 0.0, None, False, budget_cap)]
         if not as_json:
             typer.echo(f"{name}: {len(cfgs)} runs", err=True)
         out = run_configs(nodes, pods, cfgs, default_pods, max(1, jobs), quiet=as_json)
         for r in out:
             r["pods"] = name
         if not first_series:
-            first_series = [r for r in out if r["policy"] == policies[0] and r["load"] == _load_list(load)[0]]
+            first_series = [r for r in out if r["policy"] == policies[0] and r["load"] == loads[0] and r["seed"] == seed]
             if plot is not None:
                 from relocator.sim.plot import plot_replay
 
-                plot_replay(first_series, plot, title=f"openb {name}, {policies[0]}, offered load {_load_list(load)[0]:.1f}x, {queue.value}")
+                plot_replay(first_series, plot, title=f"openb {name}, {policies[0]}, offered load {loads[0]:.1f}x, {queue.value}, seed {seed}")
         for r in out:
             r.pop("series", None)
-        results.extend(out)
+        runs.extend(out)
+    with_gains(runs)
+    results = aggregate(runs)
     if as_json:
-        sys.stdout.write(json.dumps({"results": results, "plot": str(plot) if plot else None}, indent=2) + "\n")
+        sys.stdout.write(json.dumps({"results": results, "runs": runs, "plot": str(plot) if plot else None}, indent=2) + "\n")
         return
-    print_results(results, "replay with departures")
+    if seeds == 1:
+        print_results(runs, "replay with departures")
+    print_aggregate(results, f"replay with departures, mean ± sd over {seeds} seed(s)")
     if plot is not None:
         typer.echo(f"plot: {plot}")

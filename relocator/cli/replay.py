@@ -58,13 +58,13 @@ def load_donor(path: Optional[Path]):
 
 
 def make_configs(policies, modes, loads, seed, queue, passes, moves_per_pod, budget, max_moves_per_hour, max_moved_gpus,
-                 min_gpus, consolidate_every, shared_storage):
+                 min_gpus, consolidate_every, shared_storage, budget_cap=None):
     from relocator.sim.replay import BlackoutModel, ReplayConfig
 
     bm = BlackoutModel(shared_storage=shared_storage)
     return [
         ReplayConfig(policy=p, mode=m, load=L, queue=str(queue), seed=seed, passes=passes, moves_per_pod=moves_per_pod,
-                     budget_per_100=budget, max_moves_per_hour=max_moves_per_hour, max_moved_gpus=max_moved_gpus,
+                     budget_per_100=budget, budget_cap=budget_cap, max_moves_per_hour=max_moves_per_hour, max_moved_gpus=max_moved_gpus,
                      min_gpus=min_gpus, consolidate_every_s=consolidate_every, blackout=bm)
         for L in loads for p in policies for m in modes
     ]
@@ -75,7 +75,7 @@ def run_configs(nodes, pods, cfgs, donor, jobs: int, quiet: bool = False) -> lis
 
     def done(r: dict) -> None:
         if not quiet:
-            typer.echo(f"  {r['policy']:<11} {r['mode']:<14} load {r['load']:.1f}: {r['seconds']:.0f} s", err=True)
+            typer.echo(f"  {r['policy']:<11} {r['mode']:<14} load {r['load']:.1f} seed {r['seed']}: {r['seconds']:.0f} s", err=True)
 
     try:
         return replay_many(nodes, pods, cfgs, donor, jobs=jobs, on_done=done)
@@ -112,7 +112,8 @@ def replay_cmd(
     seed: int = typer.Option(42, "--seed", help="Seed (policy ties, donor times)."),
     passes: int = typer.Option(4, "--passes", help="Times the pod list is replayed back to back; the first pass warms the cluster up and is not measured."),
     moves_per_pod: int = typer.Option(4, "--moves-per-pod", help="Most moves to seat one pod."),
-    budget: float = typer.Option(1.0, "--budget", help="Moves (and suspensions) allowed per 100 arrivals."),
+    budget: float = typer.Option(1.0, "--budget", help="Moves (and suspensions) allowed per 100 arrivals: a bucket that each arrival fills by budget/100, capped at --budget-cap (unused allowance is not saved up)."),
+    budget_cap: Optional[float] = typer.Option(None, "--budget-cap", help="Most moves the budget bucket holds (default: --moves-per-pod)."),
     max_moves_per_hour: Optional[float] = typer.Option(None, "--max-moves-per-hour", help="Most moves in any hour of simulated time."),
     max_moved_gpus: Optional[float] = typer.Option(None, "--max-moved-gpus", help="Most GPUs one plan may move."),
     min_gpus: float = typer.Option(0.0, "--min-gpus", help="Only heads needing at least this many GPUs may trigger moves."),
@@ -124,12 +125,12 @@ def replay_cmd(
 ) -> None:
     """Replay a pod list with arrivals and departures; compare placement with and without moves."""
     policies, _ = parse_choices(policy, "42")
-    if passes < 2 or moves_per_pod < 0 or budget < 0 or min_gpus < 0:
-        raise fail("--passes must be >= 2; --moves-per-pod, --budget and --min-gpus must not be negative")
+    if passes < 2 or moves_per_pod < 0 or budget < 0 or min_gpus < 0 or (budget_cap is not None and budget_cap < 0):
+        raise fail("--passes must be >= 2; --moves-per-pod, --budget, --budget-cap and --min-gpus must not be negative")
     _, nodes, pod_list = load_inputs(trace, pods)
     donor = load_donor(times_from)
     cfgs = make_configs(policies, _mode_list(mode), _load_list(load), seed, queue, passes, moves_per_pod, budget,
-                        max_moves_per_hour, max_moved_gpus, min_gpus, consolidate_every, shared_storage)
+                        max_moves_per_hour, max_moved_gpus, min_gpus, consolidate_every, shared_storage, budget_cap)
     results = run_configs(nodes, pod_list, cfgs, donor, max(1, jobs), quiet=as_json)
     if plot is not None:
         from relocator.sim.plot import plot_replay

@@ -104,6 +104,7 @@ def defragment(
     max_candidates: int = 16,
     max_sets: int = 4000,
     victim_policy: str | Policy | None = "best-fit",
+    allowed: np.ndarray | None = None,
 ) -> Plan | None:
     """The cheapest set of moves of running workloads after which ``workload`` fits: fewest
     moves, then fewest bytes. Returns a plan with no moves if it fits already, ``None`` if no
@@ -116,9 +117,11 @@ def defragment(
     best-fit: the fullest GPU that still fits, i.e. into other GPUs' slivers; ``None``: by
     ``policy``) to another node where it fits without further moves; ``workload`` is then placed
     on the target node by ``policy``. Each move is valid on its own, in order. ``max_sets`` is
-    kept for compatibility (unused)."""
+    kept for compatibility (unused). ``allowed`` (N,) bool, optional: the only nodes the plan may
+    use, as target and as destinations of the moved workloads (e.g. without nodes already
+    promised to another workload); ``None``: all (the behaviour without it)."""
     pol = _policy(policy)
-    direct = pol.select(cluster, workload, rng=rng)
+    direct = pol.select(cluster, workload, rng=rng, mask=allowed)
     if direct is not None:
         return Plan((), workload.id, direct)
     if max_moves <= 0:
@@ -128,6 +131,8 @@ def defragment(
     static = (cluster.cpu_cap >= workload.cpu_milli) & (cluster.mem_cap >= workload.memory_mib)
     if workload.num_gpu:
         static &= (cluster.num_gpus >= workload.num_gpu) & cluster.model_ok(workload)
+    if allowed is not None:
+        static &= allowed
     if not static.any():
         return None
     live = np.nonzero((sl.node >= 0) & sl.reloc)[0]
@@ -144,6 +149,8 @@ def defragment(
             assert w is not None
             feas = cluster.feasible(w)
             feas[int(sl.node[s])] = False
+            if allowed is not None:
+                feas &= allowed
             movable[s] = bool(feas.any())
         return movable[s]
 
@@ -164,15 +171,15 @@ def defragment(
                 sets.append([s])
                 if len(sets) >= max_candidates:
                     break
-        plan = _try_sets(cluster, workload, pol, rng, sets, victim_policy=victim_policy)
+        plan = _try_sets(cluster, workload, pol, rng, sets, victim_policy=victim_policy, allowed=allowed)
         if plan is not None:
             return plan
 
     # ---- k >= 2 moves: per node, the fewest victims that clear enough GPU, CPU and memory
     if max_moves < 2:
         return None
-    sets = victim_sets(cluster, workload, max_moves, max_sets=max_candidates)
-    return _try_sets(cluster, workload, pol, rng, [v for _, _, _, v in sets], victim_policy=victim_policy)
+    sets = victim_sets(cluster, workload, max_moves, max_sets=max_candidates, allowed=allowed)
+    return _try_sets(cluster, workload, pol, rng, [v for _, _, _, v in sets], victim_policy=victim_policy, allowed=allowed)
 
 
 def _slot_shapes(cluster: Cluster, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -211,6 +218,7 @@ def victim_sets(
     max_moves: int,
     max_sets: int = 16,
     max_nodes: int = 256,
+    allowed: np.ndarray | None = None,
 ) -> list[tuple[int, int, int, list[int]]]:
     """Candidate victim sets for :func:`defragment`, cheapest first: ``(moves, bytes, node,
     slots)``. For each node that could hold ``workload`` once some of its relocatable workloads
@@ -219,12 +227,15 @@ def victim_sets(
     the largest). Only workloads that could fit somewhere else at all are considered (a cheap
     vectorised test against the cluster's largest free resources; the exact test is done when
     the plan is tried). Nodes are visited by a lower bound on their move count (vectorised), so
-    the search stops early. Pure; the cluster is not changed."""
+    the search stops early. ``allowed`` (N,) bool, optional: only these nodes may be targets.
+    Pure; the cluster is not changed."""
     sl = cluster._slots
     w = workload
     static = (cluster.cpu_cap >= w.cpu_milli) & (cluster.mem_cap >= w.memory_mib)
     if w.num_gpu:
         static &= (cluster.num_gpus >= w.num_gpu) & cluster.model_ok(w)
+    if allowed is not None:
+        static = static & allowed
     live = np.nonzero((sl.node >= 0) & sl.reloc)[0]
     if not static.any() or len(live) == 0:
         return []
@@ -328,6 +339,7 @@ def _try_sets(
     rng: np.random.Generator | None,
     sets: list[list[int]],
     victim_policy: str | Policy | None = None,
+    allowed: np.ndarray | None = None,
 ) -> Plan | None:
     vpol = pol if victim_policy is None else _policy(victim_policy)
     sl = cluster._slots
@@ -336,7 +348,7 @@ def _try_sets(
         trial = _Trial(cluster)
         moves: list[Move] = []
         try:
-            mask = np.ones(cluster.num_nodes, dtype=bool)
+            mask = np.ones(cluster.num_nodes, dtype=bool) if allowed is None else np.array(allowed, dtype=bool)
             mask[node] = False
             ok = True
             # largest first: they are the hardest to place

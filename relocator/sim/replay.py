@@ -22,8 +22,15 @@ The arrival stream (:func:`build_stream`):
 Events: arrival (queued, FIFO), departure, plan done, suspension done, consolidation tick.
 After every event the queue is served: the head is placed by the policy if it fits; if not,
 ``mode`` ``moves`` asks the planner for the fewest moves that seat it (``moves_per_pod`` at most,
-within the budget: ``budget_per_100`` moves per 100 arrivals so far, ``max_moves_per_hour``,
-``max_moved_gpus`` per plan). Moved pods are frozen for their blackout
+within the budget, ``max_moves_per_hour`` and ``max_moved_gpus`` per plan), on nodes that no
+other head's plan holds (a held node is neither a target nor a destination).
+
+The budget is a bucket that cannot be saved up: every arrival adds ``budget_per_100 / 100``
+tokens, up to ``budget_cap`` (default ``moves_per_pod``: one full plan); each move or suspension
+spends one; a plan is only started with the tokens in hand. The bucket is emptied at the first
+measured arrival, so within the measured window (first to last measured arrival) moves plus
+suspensions never exceed ``budget_per_100`` per 100 measured arrivals, and over any run of
+arrivals they never exceed ``budget_cap`` plus ``budget_per_100`` per 100 of them. Moved pods are frozen for their blackout
 (:class:`BlackoutModel`); source and destination are both held until the plan is done, then
 the head starts. ``moves+suspend`` also checkpoints lower-priority pods (QoS: LS/Guaranteed >
 Burstable > BE) on one node to seat the head when no plan exists; they are requeued in their
@@ -268,6 +275,7 @@ class ReplayConfig:
     warmup_passes: int = 1
     moves_per_pod: int = 4
     budget_per_100: float = 1.0  # moves (and suspensions) per 100 arrivals
+    budget_cap: float | None = None  # most tokens the bucket holds (None: moves_per_pod)
     max_moves_per_hour: float | None = None
     max_moved_gpus: float | None = None  # per plan
     min_gpus: float = 0.0  # only heads needing at least this many GPUs may trigger moves
@@ -326,6 +334,11 @@ class Replay:
         self.plan_memo: dict[int, tuple[int, float]] = {}
         self.move_times: deque[float] = deque()
         self.interventions = 0
+        self.tokens = 0.0  # the budget bucket
+        self.token_cap = float(cfg.budget_cap if cfg.budget_cap is not None else max(cfg.moves_per_pod, 1))
+        self.in_window = False
+        self.m_interventions = 0
+        self.intervention_log: list[tuple[int, int]] = []  # (arrivals so far, moves or suspensions)
         self.moves = self.moved_milli = self.suspensions = self.plans = self.plans_wasted = 0
         self.blackout_s = self.kill_loss_s = self.suspended_s = 0.0
         self.rejected = 0
@@ -406,7 +419,11 @@ class Replay:
     def _arrive(self, j: Job) -> None:
         self.arrived += 1
         if j.measured:
+            if not self.in_window:  # the measured window starts with an empty bucket
+                self.in_window = True
+                self.tokens = 0.0
             self.m_arrivals += 1
+        self.tokens = min(self.token_cap, self.tokens + self.cfg.budget_per_100 / 100.0)
         if not self._static_ok(j.workload):
             self.rejected += 1
             return
@@ -484,12 +501,24 @@ class Replay:
     # ------------------------------------------------------------------ relocation
     def _tokens(self) -> float:
         """Interventions (moves, suspensions) the budget still allows now."""
-        left = self.cfg.budget_per_100 * self.arrived / 100.0 - self.interventions
+        left = self.tokens + 1e-9
         if self.cfg.max_moves_per_hour is not None:
             while self.move_times and self.move_times[0] <= self.now - 3600.0:
                 self.move_times.popleft()
             left = min(left, self.cfg.max_moves_per_hour - len(self.move_times))
         return left
+
+    def _measuring(self) -> bool:
+        return self.in_window and self.now <= self.w1
+
+    def _spend(self, n: int) -> None:
+        """``n`` moves or suspensions start now: take their tokens from the bucket."""
+        assert n <= self.tokens + 1e-6, (n, self.tokens)
+        self.tokens = max(0.0, self.tokens - n)
+        self.interventions += n
+        self.intervention_log.append((self.arrived, n))
+        if self._measuring():
+            self.m_interventions += n
 
     def _make_room(self, hid: int) -> None:
         j = self.jobs[hid]
@@ -502,7 +531,7 @@ class Replay:
         memo = self.plan_memo.get(hid)
         if memo is not None and (memo[0] == self.cluster._clock or self.now < memo[1]):
             return
-        plan = defragment(self.cluster, w, max_moves=budget, policy=self.pol, rng=self.rng)
+        plan = defragment(self.cluster, w, max_moves=budget, policy=self.pol, rng=self.rng, allowed=self.mask)
         if plan is not None and plan.num_moves and self.cfg.max_moved_gpus is not None:
             if plan.moved_gpu_milli > self.cfg.max_moved_gpus * MILLI:
                 plan = None
@@ -554,11 +583,11 @@ class Replay:
             self._push(j.end, _DEPART, j.idx, j.token)
             j.moves += 1
             self.move_times.append(self.now)
-            if self.now >= self.w0 and self.now <= self.w1:
+            if self._measuring():
                 self.m_moves += 1
         self.moves += plan.num_moves
         self.moved_milli += plan.moved_gpu_milli
-        self.interventions += plan.num_moves
+        self._spend(plan.num_moves)
         self.plans += 1
         if head is not None:
             self.waiting.add(head)
@@ -615,8 +644,8 @@ class Replay:
             elif pl.gpus and c.fits_on(h.workload, ni, pl.gpus):
                 self._start(h, pl.node, pl.gpus)
                 placed = True
-        if not placed:
-            sel = self.pol.select(c, h.workload, rng=self.rng)
+        if not placed:  # anywhere but on nodes held for other heads
+            sel = self.pol.select(c, h.workload, rng=self.rng, mask=self.mask)
             if sel is not None:
                 self._start(h, sel.node, sel.gpus)
                 placed = True
@@ -671,6 +700,8 @@ class Replay:
         cpu_f = c.cpu_left + np.bincount(nodes, weights=sl.cpu[slots], minlength=n).astype(np.int64)
         mem_f = c.mem_left + np.bincount(nodes, weights=sl.mem[slots], minlength=n).astype(np.int64)
         ok = static & (cpu_f >= w.cpu_milli) & (mem_f >= w.memory_mib)
+        if self.mask is not None:
+            ok &= self.mask  # not on a node held for another head
         if w.num_gpu:
             free_f = c.gpu_left.copy()
             np.add.at(free_f, nodes, sl.use[slots])
@@ -720,7 +751,7 @@ class Replay:
             j.remaining = max(1e-3, j.end - self.now)  # frozen from now on
             j.token += 1  # its departure waits for the resume
         self.suspensions += len(jobs)
-        self.interventions += len(jobs)
+        self._spend(len(jobs))
         self.waiting.add(hid)
         target = c.node_ids[nd]
         self._hold(target, +1)
@@ -770,6 +801,10 @@ class Replay:
             "moves_measured": self.m_moves,
             "moves_per_hour": round(self.m_moves / hours, 2),
             "moves_per_100_arrivals": round(100.0 * self.m_moves / max(self.m_arrivals, 1), 3),
+            "interventions_measured": self.m_interventions,
+            "interventions_per_100_arrivals": round(100.0 * self.m_interventions / max(self.m_arrivals, 1), 3),
+            "budget_per_100": cfg.budget_per_100,
+            "budget_cap": self.token_cap,
             "moved_gpus": round(self.moved_milli / MILLI, 2),
             "plans": self.plans,
             "plans_wasted": self.plans_wasted,
