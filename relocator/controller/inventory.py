@@ -8,7 +8,7 @@ and every relocation target holds its GPUs through a placement group.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 NODE_RESOURCE = "relocator_node:"
 log = logging.getLogger("relocator.controller")
@@ -21,10 +21,64 @@ class NodeInfo:
     gpus_total: int
     gpus_free: int
     alive: bool = True
+    #: the node's real GPUs as its agent reports them (`local_gpus`); empty: fake GPUs
+    gpus: list["GpuFact"] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"id": self.id, "ray_node_id": self.ray_node_id, "gpus_total": self.gpus_total,
-                "gpus_free": self.gpus_free, "alive": self.alive}
+        out = {"id": self.id, "ray_node_id": self.ray_node_id, "gpus_total": self.gpus_total,
+               "gpus_free": self.gpus_free, "alive": self.alive}
+        if self.gpus:
+            out["gpus"] = [g.to_dict() for g in self.gpus]
+        return out
+
+
+@dataclass(frozen=True)
+class GpuFact:
+    """One real GPU of a node: NVML's index (PCI bus order, the index a cell's `gpu_ids` and
+    Ray's GPU ids use), UUID (what cuda-checkpoint's --device-map pairs), model and memory."""
+
+    index: int
+    uuid: str
+    model: str
+    memory_mib: int
+
+    def to_dict(self) -> dict:
+        return {"index": self.index, "uuid": self.uuid, "model": self.model, "memory_mib": self.memory_mib}
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def local_gpus() -> list[GpuFact]:
+    """This host's NVIDIA GPUs through NVML (nvidia-ml-py's `pynvml`). No pynvml, no driver or
+    any NVML error: [] (the node then runs with Ray's fake GPU counts, the default)."""
+    try:
+        import pynvml
+    except ImportError:
+        return []
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded ...
+        log.debug("no NVML here (%s): fake GPUs", exc)
+        return []
+    try:
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            out.append(GpuFact(index=i, uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
+                               model=_text(pynvml.nvmlDeviceGetName(handle)),
+                               memory_mib=int(memory.total) // (1 << 20)))
+        return out
+    except Exception as exc:  # noqa: BLE001 - a GPU fell off the bus mid-listing: report none
+        log.warning("NVML failed while listing GPUs (%s): reporting none", exc)
+        return []
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def ray_nodes(known: dict[str, str] | None = None) -> dict[str, NodeInfo]:
