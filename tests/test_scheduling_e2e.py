@@ -47,6 +47,11 @@ def pair(relocator_cluster):
     from ray.util import placement_group
 
     ctl = relocator_cluster
+    # the session cluster may still run other modules' workers: start from the issue's layout
+    for w in ctl.status()["workers"]:
+        ctl.stop_worker(w["id"])
+    wait_for(lambda: all(n["gpus_free"] == n["gpus_total"] for n in ctl.status()["nodes"]),
+             60, "every GPU free after stopping the session's other workers")
     pg = placement_group([{"GPU": 4.0, "relocator_node:n3": 0.001}], strategy="STRICT_PACK", name=TENANT)
     ray.get(pg.ready(), timeout=60)
     wa = ctl.launch(MODEL, gpus=1, node="n1")["id"]
