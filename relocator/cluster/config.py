@@ -38,6 +38,16 @@ class RouterSection(_Section):
     control_token: str | None = None
 
 
+class ConsolidateSection(_Section):
+    """Periodic consolidation in the reconcile loop (off by default): pack running workers onto
+    fewer nodes when a plan frees at least `min_gain_nodes` nodes, at most `max_moves_per_hour`
+    live moves in any hour."""
+
+    enabled: bool = False
+    min_gain_nodes: int = Field(1, ge=1, le=64)
+    max_moves_per_hour: int = Field(6, ge=1, le=3600)
+
+
 class ControllerSection(_Section):
     transfer: TransferMode = TransferMode.SHARED
     policy: PlacementPolicy = PlacementPolicy.BEST_FIT  # planner policy for launch, drain, replacement
@@ -45,6 +55,9 @@ class ControllerSection(_Section):
     keep_images: bool = False
     # keep each worker's newest image (shared storage only) so a lost worker restarts warm
     keep_last_image: bool = True
+    # live moves a launch (or resume) may plan to make room; 0: a stock scheduler (place or wait)
+    make_room_max_moves: int = Field(4, ge=0, le=64)
+    consolidate: ConsolidateSection = ConsolidateSection()
 
 
 class LocalConfig(BaseSettings):

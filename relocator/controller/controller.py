@@ -97,6 +97,11 @@ class Controller:
         self._demand_tried_at = 0.0
         self._lost_nodes: dict[str, float] = {}  # node -> when this controller saw it lost
         self._fenced_nodes: set[str] = set()
+        from relocator.controller.periodic import PeriodicConsolidation
+
+        self.periodic = PeriodicConsolidation(
+            config.get("consolidate"), plan=lambda k: self.consolidate(dry_run=True, max_moves=k),
+            run=lambda k: self.consolidate(max_moves=k), busy=self._scheduling_busy)
         self.metrics = self._serve_metrics()
         nodes = self.inventory(refresh=True)
         for name, info in nodes.items():  # agents of a running cluster: handles before recovery
@@ -205,7 +210,7 @@ class Controller:
     def reconcile_once(self) -> dict:
         stats = {}
         for step in (self.update_nodes, self.update_workers, self.update_router, self.update_reservations,
-                     self.update_cells, self.update_deadlines, self.update_demands):
+                     self.update_cells, self.update_deadlines, self.update_demands, self.update_consolidation):
             t0 = time.monotonic()
             try:
                 step()
@@ -872,6 +877,15 @@ class Controller:
                 threading.Thread(target=self._best_effort, args=(f"time limit of {w.id}", lambda wid=w.id: self.suspend(
                     wid, reason=SuspendReason.TIME_LIMIT)), name=f"time-limit-{w.id}", daemon=True).start()
 
+    def update_consolidation(self) -> None:
+        """Periodic consolidation (config controller.consolidate; off by default)."""
+        self.periodic.update()
+
+    def _scheduling_busy(self) -> bool:
+        """A demand waiting or being seated, a relocation open, or a node cordoned (a drain with
+        a deadline: the packing plan does not know to avoid it): no packing now."""
+        return bool(self.store.demands() or self._placing or self.store.open_relocations() or self.cordoned())
+
     def update_demands(self) -> None:
         """Pending demands, highest priority first then oldest, retried on a thread whenever
         capacity changed (or every DEMAND_RETRY_S): a demand that still cannot be met stays."""
@@ -1107,7 +1121,7 @@ class Controller:
             "pending": self.pending(),
             "cordoned": sorted(self.cordoned()),
             "relocations": [r.summary() for r in self.store.relocations()],
-            "controller": {**self.ping(), "loop": self.loop_stats},
+            "controller": {**self.ping(), "loop": self.loop_stats, "consolidation": self.periodic.last},
             # where Prometheus scrapes (docs/observability.md) and where events go
             "metrics": {"controller": self.metrics.url if self.metrics else None,
                         "router": f"{self.router_url.rstrip('/')}/metrics" if self.router_url else None},
