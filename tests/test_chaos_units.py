@@ -134,3 +134,38 @@ def test_serving_again_ignores_answers_before_a_later_outage() -> None:
     assert serving_again_at(probes) == 12.1
     assert serving_again_at([(1.0, 1.2), (1.5, 1.6)]) == 1.2  # never interrupted
     assert serving_again_at([(1.0, None), (1.5, 4.0)]) is None  # never good again
+
+
+def test_scheduling_steps_in_the_schedule() -> None:
+    from relocator.chaos.faults import StepKind
+
+    workers = {"w1": "n1", "w2": "n2"}
+    s = make_schedule(2, ["fail-make-room-move", "node-loss"], workers, ["n1", "n2", "n3"], seed=1,
+                      suspends=2, make_rooms=1)
+    kinds = [x.kind for x in s]
+    assert kinds.count(StepKind.MOVE) == 3 and kinds.count(StepKind.SUSPEND_RESUME) == 2
+    assert kinds.count(StepKind.MAKE_ROOM) == 2  # one plain, one carrying the fault
+    assert next(x for x in s if x.fault == "fail-make-room-move").kind is StepKind.MAKE_ROOM
+    assert s[-1].fault == "node-loss" and s[-1].kind is StepKind.MOVE  # destructive last
+    assert FAULTS["fail-make-room-move"].relocate_faults() == {"dump": True}
+    with pytest.raises(ValueError, match="unknown step kind 'suspend'"):
+        StepKind("suspend")
+
+
+def test_scheduling_outcomes() -> None:
+    from relocator.chaos.faults import check_scheduling_outcome
+
+    f = FAULTS["fail-make-room-move"]
+    failed = {"kind": "make-room", "result": "pending", "launch_state": "pending", "demand_pending": True,
+              "moves": [{"result": "rolled_back"}], "serving": True, "not_serving": []}
+    assert check_scheduling_outcome(failed, f).ok
+    o = check_scheduling_outcome({**failed, "launch_state": "running", "not_serving": ["w1"]}, f)
+    assert not o.ok and any("not pending" in p for p in o.problems) and any("w1" in p for p in o.problems)
+    plain = {"kind": "make-room", "result": "done", "launch_state": "running", "moves": [{"result": "done"}],
+             "serving": True}
+    assert check_scheduling_outcome(plain, None).ok
+    assert not check_scheduling_outcome({**plain, "moves": []}, None).ok
+    sr = {"kind": "suspend-resume", "result": "done", "suspended": True, "resumed": True, "serving": True}
+    assert check_scheduling_outcome(sr, None).ok
+    bad = check_scheduling_outcome({**sr, "resumed": False, "failed_requests": 2}, None)
+    assert not bad.ok and "not resumed" in bad.problems and "2 request(s) failed" in bad.problems

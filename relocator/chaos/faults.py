@@ -12,9 +12,18 @@ import random
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
+from relocator.choices import Choice
 from relocator.controller.model import TransferMode
 
 PHASES = ("PLAN", "RESERVE", "HOLD", "DUMP", "TRANSFER", "RESTORE", "SWITCH", "RELEASE")
+
+
+class StepKind(Choice):
+    """What one chaos step does to the cluster (the runner's handler table has one per kind)."""
+
+    MOVE = "move"  # a forced live relocation of one worker to another node
+    SUSPEND_RESUME = "suspend-resume"  # suspend a worker (image, GPUs released), then resume it
+    MAKE_ROOM = "make-room"  # fragment the cluster, launch a node-sized worker: the controller moves to seat it
 
 
 @dataclass(frozen=True)
@@ -30,6 +39,9 @@ class Fault:
     # the fault leaves the worker alone (a router restart): "serving again" counts from the end
     # of the move's own freeze, which is the relocation's blackout, not the fault's
     spares_worker: bool = False
+    # the step it rides on: a forced move, or the first move of a make-room launch (its
+    # controller faults then go to launch(faults=...), which injects them into that move)
+    step: StepKind = StepKind.MOVE
 
     def relocate_faults(self) -> dict[str, Any]:
         return {k: (dict(v) if isinstance(v, tuple) else v) for k, v in self.controller_faults}
@@ -76,6 +88,11 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "otherwise the move completes and the controller replaces the lost worker from its "
           "last image. Either way it must end up serving on a live node",
           destructive=True),
+    Fault("fail-make-room-move", "DUMP", ("rolled_back",),
+          "a make-room launch (a node-sized worker on a fragmented cluster) whose first live move "
+          "fails at the end of DUMP (controller fault hook `dump`): the move rolls back, the plan "
+          "stops there, every worker serves, and the demand stays pending",
+          controller_faults=(("dump", True),), step=StepKind.MAKE_ROOM),
 )}
 
 SMOKE_FAULTS = tuple(FAULTS)
@@ -103,26 +120,31 @@ class Step:
     worker: str
     dst: str
     fault: str | None = None
+    kind: StepKind = StepKind.MOVE
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def make_schedule(moves: int, faults: Sequence[str], workers: dict[str, str], nodes: Sequence[str],
-                  seed: int = 0) -> list[Step]:
-    """`moves` plain forced moves plus one move per fault, in a seeded random order (destructive
-    faults last). Targets are chosen later (`pick_target`) because the cluster changes; the
-    `dst` here is a seeded preference. `workers`: {worker: node}."""
+                  seed: int = 0, suspends: int = 0, make_rooms: int = 0) -> list[Step]:
+    """`moves` plain forced moves, `suspends` suspend-then-resume steps and `make_rooms`
+    make-room launches, plus one step per fault (of the fault's kind), in a seeded random order
+    (destructive faults last). Targets are chosen later (`pick_target`) because the cluster
+    changes; the `dst` here is a seeded preference. `workers`: {worker: node}."""
     rng = random.Random(seed)
-    kinds: list[str | None] = [None] * moves + [f for f in faults if not FAULTS[f].destructive]
+    kinds: list[tuple[StepKind, str | None]] = (
+        [(StepKind.MOVE, None)] * moves + [(StepKind.SUSPEND_RESUME, None)] * suspends
+        + [(StepKind.MAKE_ROOM, None)] * make_rooms
+        + [(FAULTS[f].step, f) for f in faults if not FAULTS[f].destructive])
     rng.shuffle(kinds)
-    kinds += [f for f in faults if FAULTS[f].destructive]
+    kinds += [(FAULTS[f].step, f) for f in faults if FAULTS[f].destructive]
     wids = sorted(workers)
     steps = []
-    for i, k in enumerate(kinds):
+    for i, (kind, k) in enumerate(kinds):
         w = wids[rng.randrange(len(wids))] if wids else ""
         others = [n for n in nodes if n != workers.get(w)]
-        steps.append(Step(i, w, rng.choice(others) if others else "", k))
+        steps.append(Step(i, w, rng.choice(others) if others else "", k, kind))
     return steps
 
 
@@ -178,3 +200,44 @@ def check_outcome(fault: Fault | None, rel: dict[str, Any] | None, *, injected: 
         if items:
             problems.append(f"leaked {kind}: {', '.join(map(str, items))[:200]}")
     return Outcome(fault.name if fault else None, result, not problems, problems)
+
+
+def check_scheduling_outcome(step: dict[str, Any], fault: Fault | None) -> Outcome:
+    """A suspend-resume or make-room step (runner.run_chaos) against what it must lead to.
+
+    suspend-resume: suspended, resumed, serving. make-room without a fault: the node-sized
+    launch serves after its moves, every move done. make-room with a fault in its first move:
+    that move rolled back, the plan stopped (nothing seated), the launch left pending, and
+    every worker still serving."""
+    problems: list[str] = []
+    kind = StepKind(step["kind"])
+    if step.get("error"):
+        problems.append(f"{kind.value} step failed: {step['error'][:200]}")
+    if kind is StepKind.SUSPEND_RESUME:
+        if not step.get("suspended"):
+            problems.append("not suspended")
+        if not step.get("resumed"):
+            problems.append("not resumed")
+    elif kind is StepKind.MAKE_ROOM:
+        results = [m.get("result") for m in step.get("moves", [])]
+        if fault is None:
+            if step.get("launch_state") != "running":
+                problems.append(f"make-room launch is {step.get('launch_state')}, not running")
+            if not results or any(r != "done" for r in results):
+                problems.append(f"make-room moves {results or 'none'}, not all done")
+        else:
+            if step.get("launch_state") != "pending":
+                problems.append(f"make-room launch is {step.get('launch_state')}, not pending")
+            if not step.get("demand_pending"):
+                problems.append("the demand is not in pending")
+            if not results or results[0] not in fault.expect:
+                problems.append(f"the failed move ended {results[0] if results else 'missing'}, expected "
+                                f"{'/'.join(fault.expect)}")
+    not_serving = step.get("not_serving") or []
+    if not_serving:
+        problems.append(f"not serving afterwards: {', '.join(not_serving)}")
+    if not step.get("serving", False) and not not_serving:
+        problems.append("worker not serving afterwards")
+    if step.get("failed_requests"):
+        problems.append(f"{step['failed_requests']} request(s) failed")
+    return Outcome(fault.name if fault else None, step.get("result"), not problems, problems)

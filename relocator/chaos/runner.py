@@ -24,7 +24,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 from relocator.chaos import leaks as L
 from relocator.procs import criu_processes, descendants, process_table
-from relocator.chaos.faults import FAULTS, SMOKE_FAULTS, Fault, Step, check_outcome, make_schedule, pick_target
+from relocator.chaos.faults import (FAULTS, SMOKE_FAULTS, Fault, Step, StepKind, check_outcome,
+                                    check_scheduling_outcome, make_schedule, pick_target)
 
 MODEL = "tiny-llama"
 
@@ -33,6 +34,8 @@ MODEL = "tiny-llama"
 class ChaosConfig:
     duration_s: float | None = None  # stop scheduling moves after this long (None: all moves)
     moves: int = 4  # plain forced moves (faults add one move each)
+    suspends: int = 0  # suspend-then-resume steps
+    make_rooms: int = 0  # make-room launches (a node-sized worker seated by the controller's moves)
     moves_per_minute: float = 0.0  # 0: back to back
     faults: list[str] = field(default_factory=list)
     streams: int = 4
@@ -448,6 +451,133 @@ def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConf
     return out
 
 
+def _serving(ctl, ids: list[str] | None = None, timeout: float = 30.0) -> list[str]:
+    """The workers (`ids`, default all) that are not running or do not answer within `timeout`."""
+    st = _status(ctl)
+    bad = []
+    for w in st["workers"]:
+        if ids is not None and w["id"] not in ids:
+            continue
+        t_end = time.monotonic() + timeout
+        ok = False
+        while time.monotonic() < t_end and not ok:
+            ok = w["state"] == "running" and bool(w.get("endpoint")) and _post_ok(w["endpoint"], timeout=5)
+            if not ok:
+                time.sleep(0.3)
+                w = next((x for x in _status(ctl)["workers"] if x["id"] == w["id"]), w)
+        if not ok:
+            bad.append(w["id"])
+    return bad
+
+
+def suspend_resume(ctl, base: Path, step: Step, worker: dict, cfg: ChaosConfig, say) -> dict[str, Any]:
+    """Suspend the worker (image to the store, GPUs released, its streams held or sent to a
+    sibling) and resume it wherever the controller seats it; then it must serve."""
+    out: dict[str, Any] = {"step": step.index, "kind": StepKind.SUSPEND_RESUME.value, "fault": step.fault,
+                           "worker": worker["id"], "from": worker["node"], "started_at": time.time(),
+                           "suspended": False, "resumed": False, "cells": [worker["cell"]]}
+    try:
+        s = ctl.suspend(worker["id"])
+        out.update(suspended=True, suspend_s=s.get("seconds"), image_bytes=s.get("image_bytes"),
+                   sibling=s.get("sibling"))
+        r = ctl.resume(worker["id"])
+        out.update(resumed=r.get("state") == "running", resume_s=r.get("seconds"), to=r.get("node"),
+                   result="done" if r.get("state") == "running" else r.get("state"))
+        if r.get("cell_id"):
+            out["cells"].append(r["cell_id"])
+    except Exception as exc:  # noqa: BLE001 - checked below
+        out.update(error=f"{type(exc).__name__}: {exc}", result="failed")
+    out["not_serving"] = _serving(ctl, [worker["id"]])
+    out["serving"] = not out["not_serving"]
+    out["ended_at"] = time.time()
+    out["settle_s"] = _settle(ctl)
+    say(f"  step {step.index}: suspend+resume {worker['id']} {out['from']}→{out.get('to')}: {out['result']}"
+        + ("" if out["serving"] else " NOT SERVING"))
+    return out
+
+
+def _fragment(ctl, gpus: int, tag: str) -> list[Any]:
+    """1-GPU placeholders (another tenant's reservations, never moved) on every node with all
+    its GPUs free, so that no node has `gpus` free GPUs and a launch of that size needs moves."""
+    import ray
+    from ray.util import placement_group
+
+    pgs = []
+    for n in _status(ctl)["nodes"]:
+        if n.get("alive", True) and n["gpus_free"] >= gpus:
+            pg = placement_group([{"GPU": 1.0, f"relocator_node:{n['id']}": 0.001}], strategy="STRICT_PACK",
+                                 name=f"chaos-filler-{tag}-{n['id']}")
+            ray.get(pg.ready(), timeout=60)
+            pgs.append(pg)
+    return pgs
+
+
+def make_room(ctl, base: Path, step: Step, worker: dict, cfg: ChaosConfig, say) -> dict[str, Any]:
+    """A fragmented cluster (no node with all its GPUs free) and a launch of a node-sized
+    worker: the controller's live moves seat it. With the step's fault, the first move fails:
+    the plan stops, the demand stays pending, every worker serves; the demand is then dropped."""
+    import ray
+
+    fault = FAULTS[step.fault] if step.fault else None
+    gpus = cfg.gpus_per_node
+    out: dict[str, Any] = {"step": step.index, "kind": StepKind.MAKE_ROOM.value, "fault": step.fault,
+                           "worker": f"mr{step.index}", "gpus": gpus, "started_at": time.time(), "moves": [],
+                           "cells": []}
+    pgs = _fragment(ctl, gpus, str(step.index))
+    launched = None
+    try:
+        plan = ctl.launch(MODEL, gpus, worker_id=out["worker"], engine=cfg.engine, dry_run=True)["plan"]
+        out["plan"] = plan
+        if plan["how"] != "make_room":
+            out.update(result="skipped", error=f"no make-room plan for {gpus} GPU(s): {plan['how']} {plan['reason']}")
+            return out
+        t = time.monotonic()
+        res = ctl.launch(MODEL, gpus, worker_id=out["worker"], engine=cfg.engine,
+                         faults=fault.relocate_faults() if fault else None)
+        out["launch_s"] = round(time.monotonic() - t, 3)
+        out["launch_state"] = res.get("state")
+        out["demand_pending"] = any(d["id"] == out["worker"] for d in ctl.pending())
+        launched = out["worker"]
+        if res.get("cell_id"):
+            out["cells"].append(res["cell_id"])
+        mine = {m["worker"] for m in plan["moves"]}
+        rels = [r for r in _status(ctl)["relocations"] if r["worker"] in mine and r["created_at"] >= out["started_at"]]
+        out["moves"] = [{"relocation": r["id"], "worker": r["worker"], "from": r["from"], "to": r["to"],
+                         "result": r["result"], "error": (r.get("error") or "")[:200]} for r in rels]
+        out["relocations"] = [r["id"] for r in rels]
+        if fault:  # the controller injects it into the plan's first move
+            out["injected"], out["injected_at"] = bool(rels), min((r["created_at"] for r in rels), default=None)
+            # the moved worker serving again after the failure: what its rollback measured
+            rb = next(((r.get("rollback") or {}) for r in rels if r["result"] != "done"), {})
+            out["serve_again_s"] = out["source_serving_s"] = rb.get("source_serving_s")
+        out["result"] = ("done" if res.get("state") == "running" else res.get("state"))
+    except Exception as exc:  # noqa: BLE001 - checked below
+        out.update(error=f"{type(exc).__name__}: {exc}", result="failed")
+    finally:
+        for pg in pgs:
+            try:
+                ray.util.remove_placement_group(pg)
+            except Exception:  # noqa: BLE001
+                pass
+    out["not_serving"] = _serving(ctl, [w["id"] for w in _status(ctl)["workers"] if w["id"] != out["worker"]])
+    out["serving"] = not out["not_serving"]
+    if launched:  # the node-sized worker (or its pending demand) goes again
+        t_end = time.monotonic() + 120
+        while time.monotonic() < t_end:
+            try:
+                ctl.stop_worker(launched)
+                break
+            except KeyError:
+                break
+            except RuntimeError:  # being seated by the reconcile loop's retry: once it is done
+                time.sleep(1.0)
+    out["ended_at"] = time.time()
+    out["settle_s"] = _settle(ctl)
+    say(f"  step {step.index}: make-room launch of {gpus} GPU(s) {step.fault or 'plain'}: {out['result']} "
+        f"(moves {[m['result'] for m in out['moves']]})" + ("" if out["serving"] else " NOT SERVING"))
+    return out
+
+
 def _settle(ctl, timeout: float = 60.0) -> float | None:
     """Until the router answers a request again (it may be restarting, or re-registering the
     workers): the next move starts on a serving cluster. Seconds waited, None if it never did."""
@@ -474,6 +604,8 @@ def _our_netns(cells: set[str], moves: list[dict]) -> set[str]:
     replacements) and rl-<worker>-<relocation> of every relocation target."""
     names = {f"rl-{c}" for c in cells}
     names |= {f"rl-{m['worker']}-{m['relocation']}" for m in moves if m.get("relocation")}
+    names |= {f"rl-{r['worker']}-{r['relocation']}" for m in moves for r in m.get("moves", [])
+              if isinstance(r, dict) and r.get("relocation")}
     return names
 
 
@@ -530,9 +662,10 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
         load = _LoadThread(lcfg).start()
         time.sleep(1.0)
         nodes = [n["id"] for n in st0["nodes"]]
-        steps = make_schedule(cfg.moves, cfg.faults, {w["id"]: w["node"] for w in ws}, nodes, cfg.seed)
-        say(f"{len(steps)} moves ({cfg.moves} plain, faults: {', '.join(cfg.faults) or 'none'}), "
-            f"{cfg.streams} streams")
+        steps = make_schedule(cfg.moves, cfg.faults, {w["id"]: w["node"] for w in ws}, nodes, cfg.seed,
+                              suspends=cfg.suspends, make_rooms=cfg.make_rooms)
+        say(f"{len(steps)} steps ({cfg.moves} plain moves, {cfg.suspends} suspend+resume, {cfg.make_rooms} "
+            f"make-room, faults: {', '.join(cfg.faults) or 'none'}), {cfg.streams} streams")
         moves: list[dict] = []
         interval = 60.0 / cfg.moves_per_minute if cfg.moves_per_minute > 0 else 0.0
         t_moves = time.monotonic()
@@ -546,6 +679,15 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
                     time.sleep(wait)
             st = _status(ctl)
             w = next(x for x in st["workers"] if x["id"] == step.worker)
+            if step.kind is not StepKind.MOVE:  # the scheduling layer's steps
+                if step.kind is StepKind.SUSPEND_RESUME and w["state"] != "running":
+                    moves.append({"step": i, "kind": step.kind.value, "fault": step.fault, "result": "skipped",
+                                  "error": f"worker {w['id']} is {w['state']}"})
+                    continue
+                m = SCHEDULING_STEPS[step.kind](ctl, base, step, w, cfg, say)
+                seen_cells.update(m.get("cells", []))
+                moves.append(m)
+                continue
             if w["state"] != "running":
                 moves.append({"step": i, "fault": step.fault, "result": "skipped",
                               "error": f"worker {w['id']} is {w['state']}"})
@@ -590,11 +732,22 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
         seen_cells.update(w["cell"] for w in st["workers"] if w["id"] in launched)
         leaked_mid = _leak_settle(base, before, _expected(st, moves), _our_netns(seen_cells, moves))
         outcomes = []
+        scheduling: list[dict] = []
         for m in moves:
             if m.get("result") == "skipped":
                 outcomes.append({"fault": m["fault"], "result": "skipped", "ok": False, "problems": [m["error"]]})
+                if m.get("kind") not in (None, StepKind.MOVE):
+                    scheduling.append({**outcomes[-1], "kind": m["kind"], "step": m["step"]})
                 continue
             f = FAULTS[m["fault"]] if m.get("fault") else None
+            if m.get("kind") not in (None, StepKind.MOVE):
+                o = check_scheduling_outcome({**m, "failed_requests": by_fault.get(m.get("fault") or "", 0)
+                                              if f else 0}, f)
+                outcomes.append({**o.to_dict(), "step": m["step"], "kind": m["kind"],
+                                 "serve_again_s": m.get("serve_again_s"), "injected": m.get("injected"),
+                                 "source_serving_s": m.get("source_serving_s")})
+                scheduling.append(outcomes[-1])
+                continue
             o = check_outcome(f, m, injected=m.get("injected", True), serving=m["serving"],
                               worker_node_alive=m.get("worker_node_alive", True),
                               serve_again_s=m.get("serve_again_s"), failed_requests=by_fault.get(m.get("fault") or "", 0)
@@ -614,7 +767,7 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
                    for m in moves if m.get("injected_at")]
         if cfg.png:
             rep.write_png(cfg.png, phases=phases)
-        plain = [m for m in moves if not m.get("fault")]
+        plain = [m for m in moves if not m.get("fault") and m.get("kind") in (None, StepKind.MOVE)]
         report.update({
             "relocations": len([m for m in moves if m.get("result") not in ("skipped", None)]),
             "relocations_done": sum(m.get("result") == "done" for m in moves),
@@ -635,6 +788,7 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
             "itl_ms": summ["itl_ms"], "ttft_ms": summ["ttft_ms"],
             "leaked": leaked_mid, "faults": {o["fault"]: o for o in outcomes if o.get("fault")},
             "moves": moves, "failed": failed[:20],
+            "scheduling_steps": scheduling,
             "phase_seconds_p50": _p50_phases(moves),
         })
     finally:
@@ -664,8 +818,16 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
         and ex.get("text_mismatched") == 0
         and not L.total(report.get("leaked", {}))
         and all(o["ok"] for o in report.get("faults", {}).values())
+        and all(o["ok"] for o in report.get("scheduling_steps", []) if not o.get("fault"))
         and report.get("plain_moves_done") == report.get("plain_moves"))
     return report
+
+
+#: what each scheduling-layer step kind runs (forced moves run `one_move`)
+SCHEDULING_STEPS: dict[StepKind, Callable[..., dict[str, Any]]] = {
+    StepKind.SUSPEND_RESUME: suspend_resume,
+    StepKind.MAKE_ROOM: make_room,
+}
 
 
 def _p50_phases(moves: list[dict]) -> dict[str, float]:

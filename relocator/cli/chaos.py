@@ -36,6 +36,12 @@ def _fault_words() -> list[str]:
 @handle_errors
 def chaos_cmd(duration: float = typer.Option(None, "--duration", help="stop starting moves after D seconds"),
               moves: int = typer.Option(None, "--moves", help="plain forced moves (default 100; smoke 3)"),
+              suspends: int = typer.Option(0, "--suspends", min=0,
+                                           help="suspend-then-resume steps (a worker checkpointed, its GPUs "
+                                                "released, restored where the controller seats it)"),
+              make_rooms: int = typer.Option(0, "--make-rooms", min=0,
+                                             help="make-room launches: the cluster fragmented, a node-sized "
+                                                  "worker launched, the controller's live moves seat it"),
               moves_per_minute: float = typer.Option(0.0, "--moves-per-minute", help="pace (0: back to back)"),
               faults: str = typer.Option(None, "--faults", callback=choice_list(_faults, _fault_names, _fault_words),
                                          help="comma list, 'all' or 'none' (default none; smoke all)"),
@@ -57,7 +63,8 @@ def chaos_cmd(duration: float = typer.Option(None, "--duration", help="stop star
     from relocator.cluster.config import cluster_dir as default_dir
 
     fl = parse_faults(faults) if faults is not None else None
-    kw = dict(duration_s=duration, moves=moves, moves_per_minute=moves_per_minute, faults=fl, streams=streams,
+    kw = dict(duration_s=duration, moves=moves, suspends=suspends, make_rooms=make_rooms,
+              moves_per_minute=moves_per_minute, faults=fl, streams=streams,
               workers=workers, seed=seed, png=png, engine=engine.value,
               cluster_dir=cluster_dir or os.environ.get("RELOCATOR_CLUSTER_DIR") or str(default_dir()))
     if smoke:
@@ -83,6 +90,10 @@ def chaos_cmd(duration: float = typer.Option(None, "--duration", help="stop star
             t.add_row(name, str(o["result"]), "yes" if o["ok"] else "[red]NO[/]", str(o.get("serve_again_s")),
                       "; ".join(o["problems"])[:120])
         console.print(t)
+        for o in rep.get("scheduling_steps", []):
+            if not o.get("fault"):
+                console.print(f"{o['kind']} (step {o['step']}): {o['result']} "
+                              + ("ok" if o["ok"] else "[red]NO[/] " + "; ".join(o["problems"])[:120]), highlight=False)
         console.print(f"plain moves {rep.get('plain_moves_done')}/{rep.get('plain_moves')} done; requests "
                       f"{rep.get('requests')}, failed {rep.get('failed_requests')} {rep.get('failed_requests_by_fault')}; "
                       f"tokens lost/dup/mismatched {rep.get('tokens_lost')}/{rep.get('tokens_duplicated')}/"
