@@ -331,7 +331,7 @@ class Replay:
         self.arrived = 0
         self.release_clock = 0
         self.fail_memo: dict[tuple, int] = {}
-        self.plan_memo: dict[int, tuple[int, float]] = {}
+        self.plan_memo: dict[int, tuple[int, float, int]] = {}  # head -> (cluster clock, retry at, moves allowed)
         self.move_times: deque[float] = deque()
         self.interventions = 0
         self.tokens = 0.0  # the budget bucket
@@ -529,8 +529,8 @@ class Replay:
         if budget <= 0:
             return
         memo = self.plan_memo.get(hid)
-        if memo is not None and (memo[0] == self.cluster._clock or self.now < memo[1]):
-            return
+        if memo is not None and budget <= memo[2] and (memo[0] == self.cluster._clock or self.now < memo[1]):
+            return  # nothing changed and no more moves allowed than when it last found no plan
         plan = defragment(self.cluster, w, max_moves=budget, policy=self.pol, rng=self.rng, allowed=self.mask)
         if plan is not None and plan.num_moves and self.cfg.max_moved_gpus is not None:
             if plan.moved_gpu_milli > self.cfg.max_moved_gpus * MILLI:
@@ -544,7 +544,7 @@ class Replay:
             return
         if self.mode is ReplayMode.MOVES_SUSPEND and self._suspend_for(hid, budget):
             return
-        self.plan_memo[hid] = (self.cluster._clock, self.now + self.cfg.retry_s)
+        self.plan_memo[hid] = (self.cluster._clock, self.now + self.cfg.retry_s, budget)
 
     def _pin(self, j: Job) -> tuple[str, tuple[int, ...]]:
         """Keep ``j`` where it is, not movable, while it is dumped; returns its placement."""
