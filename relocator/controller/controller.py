@@ -446,7 +446,9 @@ class Controller:
         for r in self.store.relocations():
             if r.image_bytes:
                 sizes[r.worker] = r.image_bytes
-            if r.result == RUNNING and r.dst in nodes and r.reservation:
+            # a running move's target GPUs are claimed from the moment it is recorded (before
+            # its RESERVE): a pending demand must not take them meanwhile
+            if r.result == RUNNING and r.dst in nodes:
                 held[r.dst] = held.get(r.dst, 0) + next((w.gpus for w in workers if w.id == r.worker), 0)
         view = [NodeView(n.id, n.gpus_total, max(0, min(n.gpus_free, n.gpus_total - held.get(n.id, 0))))
                 for n in nodes.values()]
@@ -1068,10 +1070,9 @@ class Controller:
             plan.append((w.id, dst))
         results: list[dict] = []
         suspended: list[dict] = []
-        for wid in suspend:
-            self._collect_into(suspended, wid, lambda wid=wid: self.suspend(wid, reason=SuspendReason.DRAIN))
         pending = list(plan)
         running: list[str] = []
+        first = True
         while pending or running:
             while pending and len(running) < max(1, parallel):
                 wid, dst = pending.pop(0)
@@ -1079,12 +1080,19 @@ class Controller:
                     self._collect_into(suspended, wid, lambda wid=wid: self.suspend(wid, reason=SuspendReason.DRAIN))
                     continue
                 running.append(self.relocate(wid, to=dst, transfer=transfer, wait=False)["id"])
+            if first:  # suspended only once the first moves are recorded: their requeued resumes
+                first = False  # must not take the GPUs these moves were planned onto
+                for wid in suspend:
+                    self._collect_into(suspended, wid, lambda wid=wid: self.suspend(wid, reason=SuspendReason.DRAIN))
             time.sleep(0.2)
             for rid in list(running):
                 rel = self.store.relocation(rid)
                 if rel.result != RUNNING:
                     running.remove(rid)
                     results.append(rel.summary())
+        if first:  # nothing to move: only suspends
+            for wid in suspend:
+                self._collect_into(suspended, wid, lambda wid=wid: self.suspend(wid, reason=SuspendReason.DRAIN))
         left = [w.id for w in self.store.workers() if w.node == node]
         return {"node": node, "relocations": results, "suspended": suspended, "workers_left": left,
                 "drained": not left, "seconds": round(time.monotonic() - t0, 3),
