@@ -502,6 +502,20 @@ def _fragment(ctl, gpus: int, tag: str) -> list[Any]:
     import ray
     from ray.util import placement_group
 
+    # Ray frees a stopped worker's reservation asynchronously (seen lagging seconds on a loaded
+    # machine): wait until its view agrees with the records, or a node that is about to be free
+    # gets no filler and the launch needs no move
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        st = _status(ctl)
+        held: dict[str, int] = {}
+        for w in st["workers"]:
+            if w.get("state") in ("running", "starting", "relocating"):
+                held[w["node"]] = held.get(w["node"], 0) + int(w.get("gpus") or 0)
+        if all(n["gpus_free"] == n["gpus_total"] - held.get(n["id"], 0) for n in st["nodes"]
+               if n.get("alive", True)):
+            break
+        time.sleep(0.5)
     pgs = []
     for n in _status(ctl)["nodes"]:
         if n.get("alive", True) and n["gpus_free"] >= gpus:
