@@ -92,6 +92,7 @@ class Controller:
         self.max_moves = int(config.get("make_room_max_moves", scheduling.DEFAULT_MAX_MOVES))
         self._seating = threading.RLock()  # one demand (or consolidation) planned and seated at a time
         self._placing: set[str] = set()  # demands being seated now
+        self._naming: set[str] = set()  # worker ids chosen by launches not yet recorded
         self._retrying = threading.Event()
         self._demand_sig: tuple | None = None
         self._demand_tried_at = 0.0
@@ -384,7 +385,8 @@ class Controller:
 
     # -- workers -----------------------------------------------------------------------------------
     def _new_worker_id(self) -> str:
-        ids = {w.id for w in self.store.workers()} | {d.id for d in self.store.demands()} | set(self._placing)
+        ids = ({w.id for w in self.store.workers()} | {d.id for d in self.store.demands()}
+               | set(self._placing) | self._naming)
         i = 1
         while f"w{i}" in ids:
             i += 1
@@ -415,13 +417,26 @@ class Controller:
             model_dir, served = model, Path(model).name
         with self._lock:
             wid = worker_id or self._new_worker_id()
-            if self.store.worker(wid) or self.store.demand(wid) or wid in self._placing:
+            if self.store.worker(wid) or self.store.demand(wid) or wid in self._placing or wid in self._naming:
                 raise ValueError(f"worker {wid} exists")
             nodes = self.inventory(refresh=True)
             if node is not None and node not in nodes:
                 raise ValueError(f"unknown node {node!r}; nodes: {', '.join(nodes)}")
             if node is not None and not nodes[node].alive:
                 raise ValueError(f"node {node!r} is lost")
+            # the id is taken from here on: two launches at once (the demo starts two) must
+            # not both pick the first free one before either is recorded
+            self._naming.add(wid)
+        try:
+            return self._launch(wid, served, model_dir, gpus, node, engine, priority, time_limit_s,
+                                make_room, dry_run, faults)
+        finally:
+            with self._lock:
+                self._naming.discard(wid)
+
+    def _launch(self, wid: str, served: str, model_dir: str, gpus: int, node: str | None, engine: str,
+                priority: int, time_limit_s: float | None, make_room: bool, dry_run: bool,
+                faults: dict | None) -> dict:
         demand = Demand(id=wid, kind=DemandKind.LAUNCH, model=served, gpus=int(gpus), priority=int(priority),
                         engine=engine, model_dir=model_dir, time_limit_s=time_limit_s)
         if node is not None:  # the operator chose: no planning, no queue
