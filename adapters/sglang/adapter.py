@@ -8,16 +8,13 @@ environment's interpreter, and the version is read from its installed metadata.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
-
+from adapters import openai_server
 from adapters.base import EngineAdapter, EngineFingerprint, LaunchSpec, weights_sha256
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -123,27 +120,10 @@ class Adapter(EngineAdapter):
         )
 
     async def is_ready(self, base_url: str, timeout: float = 2.0) -> bool:
-        # SGLang's /health answers 200 with an empty body once the server is up; during start-up
-        # (and while its scheduler is unresponsive) it answers 503.
-        client_timeout = aiohttp.ClientTimeout(total=timeout)
-        try:
-            async with aiohttp.ClientSession(timeout=client_timeout) as session:
-                async with session.get(f"{base_url}/health") as resp:
-                    if resp.status != 200:
-                        return False
-                async with session.get(f"{base_url}/v1/models") as resp:
-                    return resp.status == 200 and bool((await resp.json()).get("data"))
-        except (aiohttp.ClientError, TimeoutError, OSError, json.JSONDecodeError):
-            return False
+        return await openai_server.is_ready(base_url, timeout)
 
     def parse_metrics(self, text: str) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            if not family.name.startswith("sglang:"):
-                continue
-            for sample in family.samples:
-                out[sample.name] = out.get(sample.name, 0.0) + sample.value
-        return out
+        return openai_server.parse_metrics(text, "sglang:")
 
     def continuation_request(self, body: dict[str, Any], prompt_ids: list[int],
                              sent_ids: list[int]) -> dict[str, Any]:

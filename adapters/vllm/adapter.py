@@ -3,14 +3,11 @@ codec.py)."""
 
 from __future__ import annotations
 
-import json
 import sys
 from functools import lru_cache
 from pathlib import Path
 
-import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
-
+from adapters import openai_server
 from adapters.base import EngineAdapter, EngineFingerprint, LaunchSpec, weights_sha256
 
 
@@ -93,22 +90,7 @@ class Adapter(EngineAdapter):
         )
 
     async def is_ready(self, base_url: str, timeout: float = 2.0) -> bool:
-        client_timeout = aiohttp.ClientTimeout(total=timeout)
-        try:
-            async with aiohttp.ClientSession(timeout=client_timeout) as session:
-                async with session.get(f"{base_url}/health") as resp:
-                    if resp.status != 200:
-                        return False
-                async with session.get(f"{base_url}/v1/models") as resp:
-                    return resp.status == 200 and bool((await resp.json()).get("data"))
-        except (aiohttp.ClientError, TimeoutError, OSError, json.JSONDecodeError):
-            return False
+        return await openai_server.is_ready(base_url, timeout)
 
     def parse_metrics(self, text: str) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            if not family.name.startswith("vllm:"):
-                continue
-            for sample in family.samples:
-                out[sample.name] = out.get(sample.name, 0.0) + sample.value
-        return out
+        return openai_server.parse_metrics(text, "vllm:")
