@@ -12,6 +12,10 @@ that). What it changes, and why:
 - after a restore: the process CPU clock continues instead of restarting at zero (SGLang's
   scheduler crashed on a negative counter increment), and signals to a psutil.Process kept
   from before the dump are delivered (psutil took the restored parent for a reused PID);
+- greedy requests that share a batch with sampled ones (temperature > 0) take the argmax of
+  their logits, as in an all-greedy batch (SGLang sorts those rows' probabilities instead,
+  and ties then fall by batch composition: a continued stream could differ from the run it
+  continues);
 - SGLANG_USE_CPU_ENGINE=1 (else loading the model imports vLLM's CUDA ops) and the stand-in
   `sgl_kernel` on sys.path (no CPU build of the real one exists on PyPI).
 SGLang starts its scheduler and detokenizer with multiprocessing's *spawn*: each child
@@ -23,6 +27,8 @@ detokenizer.
 from __future__ import annotations
 
 import asyncio
+import importlib.abc
+import importlib.util
 import os
 import sys
 
@@ -98,9 +104,65 @@ def _psutil_signals_after_restore() -> None:
     psutil.Process.send_signal = send_signal
 
 
+def _greedy_rows_take_argmax(sampler) -> None:
+    """Greedy output that does not depend on what else is in the batch.
+
+    An all-greedy batch takes torch.argmax of the logits (the first of tied maxima). A batch
+    that also holds sampled requests goes through softmax and a top-k sort instead, where
+    greedy rows are top_k=1 rows: tied probabilities (common with low-precision logits) come
+    out of the unstable sort in an order that depends on the batch, so the same greedy request
+    gave different tokens alone and next to a sampled one (seen: 7 of 38 greedy requests in a
+    mixed load). Token-exact continuation relies on greedy being a function of the sequence
+    alone, so those rows are set to the argmax of the logits the sampler was given.
+    """
+    import torch
+
+    forward = sampler.Sampler.forward
+
+    def patched(self, logits_output, sampling_info, *args, **kwargs):
+        if sampling_info.is_all_greedy or sampling_info.has_custom_logit_processor:
+            return forward(self, logits_output, sampling_info, *args, **kwargs)
+        greedy = sampling_info.top_ks <= 1
+        if not bool(greedy.any()):
+            return forward(self, logits_output, sampling_info, *args, **kwargs)
+        # before the sampler scales and softmaxes the logits in place
+        argmax = torch.argmax(logits_output.next_token_logits, -1)
+        ids = forward(self, logits_output, sampling_info, *args, **kwargs)
+        ids[greedy] = argmax[greedy].to(ids.dtype)
+        return ids
+
+    sampler.Sampler.forward = patched
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Apply `patch(module)` right after `name` is first imported, in whichever process does
+    (only the scheduler imports the sampler; importing it everywhere would cost each process
+    ~0.1 GB and seconds)."""
+
+    def __init__(self, name: str, patch) -> None:
+        self.name, self.patch = name, patch
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module, patch = spec.loader.exec_module, self.patch
+
+        def exec_then_patch(module) -> None:
+            exec_module(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_then_patch
+        return spec
+
+
 _use_stdlib_asyncio()
 _restorable_clocks()
 _psutil_signals_after_restore()
+sys.meta_path.insert(0, _PatchOnImport("sglang.srt.layers.sampler", _greedy_rows_take_argmax))
 
 
 def main(argv: list[str] | None = None) -> None:
