@@ -214,3 +214,37 @@ def test_torch_sees_exactly_one_gpu_in_a_cell(tmp_path: Path) -> None:
             assert out.read_text() == "1", cell.log_tail()
         finally:
             cell.kill()
+
+
+@needs_root
+@pytest.mark.integration
+def test_restore_onto_other_gpus_gives_the_copy_the_targets_nodes(fake_dev: Path, tmp_path: Path,
+                                                                  tiny_model_dir: Path) -> None:
+    """A GPU worker (reference engine, computing on CPU here) dumped with GPU 0 and restored
+    with GPU 2: the image records the source's GPUs, the restored cell holds exactly GPU 2's
+    node and the shared ones (retargeted after `criu restore`), its record says GPU 2, and it
+    serves. Asking for a different number of GPUs than the image holds is refused before
+    anything starts. (The cuda restore with --device-map runs only on GPU hosts.)"""
+    import asyncio
+
+    from relocator.snapshot import RestoreTarget, SnapshotError, dump, restore
+    from relocator.worker import default_spec, launch_worker, wait_ready
+
+    with using_state_dir(tmp_path / "state"):
+        cell = launch_worker(default_spec(tiny_model_dir, engine="reference"), engine="reference", gpu_ids=[0])
+        restored = None
+        try:
+            asyncio.run(wait_ready(cell, timeout=120))
+            img = dump(cell, tmp_path / "image")
+            assert devices.DeviceProfile.from_dict(img.manifest.cell.devices).gpu_ids == [0]
+            with pytest.raises(SnapshotError, match="holds 1 GPU"):
+                restore(img, RestoreTarget(gpu_ids=[1, 2]))
+            restored = restore(img, RestoreTarget(gpu_ids=[2]))
+            assert restored.gpu_ids == [2]
+            root = Path(f"/proc/{restored.init_pid}/root")
+            assert _nvidia_nodes(root / "dev") == {"nvidia2": (NV, 2, 0o666), **SHARED}
+            asyncio.run(wait_ready(restored, timeout=120))
+        finally:
+            if restored is not None:
+                restored.kill()
+            cell.kill()

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Sequence
 
 MIN_VERSION = (4, 2)
 NETNS_KEY = "cellnet"  # label of the cell's network namespace, external to the image
@@ -57,7 +58,8 @@ class DumpResult:
     seconds: float
 
 
-def dump(pid: int, image_dir: Path, netns_inode: int, leave_stopped: bool = True) -> DumpResult:
+def dump(pid: int, image_dir: Path, netns_inode: int, leave_stopped: bool = True,
+         extra_args: Sequence[str] = ()) -> DumpResult:
     """Checkpoint the tree rooted at host `pid` into `image_dir`.
 
     The cell's network namespace is marked external (it is recreated on the target, with its own
@@ -74,6 +76,7 @@ def dump(pid: int, image_dir: Path, netns_inode: int, leave_stopped: bool = True
     ]
     if leave_stopped:
         cmd.append("--leave-stopped")
+    cmd += list(extra_args)  # e.g. a GPU cell's driver mounts, external (devices.criu_external_args)
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     took = time.monotonic() - start
@@ -82,7 +85,8 @@ def dump(pid: int, image_dir: Path, netns_inode: int, leave_stopped: bool = True
     return DumpResult(seconds=took)
 
 
-def restore(image_dir: Path, netns_path: str, pidfile: Path, log_dir: Path) -> int:
+def restore(image_dir: Path, netns_path: str, pidfile: Path, log_dir: Path,
+            extra_args: Sequence[str] = ()) -> int:
     """Restore the tree from `image_dir` into the network namespace at `netns_path`.
 
     Runs CRIU inside a throw-away private mount namespace with `/` bound as its root (CRIU
@@ -98,7 +102,7 @@ def restore(image_dir: Path, netns_path: str, pidfile: Path, log_dir: Path) -> i
     criu = [
         criu_binary(), "restore", "-D", str(image_dir), "-W", str(log_dir), "-o", str(log), "-v2",
         "--root", str(root_bind), "-d", "--tcp-close", "--manage-cgroups=ignore",
-        "--pidfile", str(pidfile), "--inherit-fd", f"fd[7]:{NETNS_KEY}",
+        "--pidfile", str(pidfile), "--inherit-fd", f"fd[7]:{NETNS_KEY}", *extra_args,
     ]
     script = 'mount --bind / "$0" && exec 7<"$1" && shift && exec "$@"'
     try:

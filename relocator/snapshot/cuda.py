@@ -30,10 +30,12 @@ def available() -> bool:
     return gpu_info().count > 0 and binary() is not None
 
 
-def _run(action: str, pid: int, timeout_ms: int | None = None) -> None:
+def _run(action: str, pid: int, timeout_ms: int | None = None, device_map: str | None = None) -> None:
     cmd = [binary() or "cuda-checkpoint", "--action", action, "--pid", str(pid)]
     if timeout_ms is not None and action == "lock":
         cmd += ["--timeout", str(timeout_ms)]
+    if device_map and action == "restore":
+        cmd += ["--device-map", device_map]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise CudaCheckpointError(f"cuda-checkpoint --action {action} --pid {pid}: {proc.stderr.strip() or proc.stdout.strip()}")
@@ -69,9 +71,11 @@ def checkpoint(pids: list[int], lock_timeout_ms: int = 10_000) -> list[int]:
     return targets
 
 
-def restore(pids: list[int]) -> None:
-    """Restore then unlock processes checkpointed by `checkpoint` (after CRIU restored them)."""
+def restore(pids: list[int], device_map: str | None = None) -> None:
+    """Restore then unlock processes checkpointed by `checkpoint` (after CRIU restored them).
+    `device_map` ("oldUuid=newUuid,..." from devices.device_map, every checkpointed GPU
+    mapped; driver >= 580) puts their memory back on other GPUs than the ones it left."""
     for pid in pids:
-        _run("restore", pid)
+        _run("restore", pid, device_map=device_map)
     for pid in pids:
         _run("unlock", pid)

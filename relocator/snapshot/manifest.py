@@ -38,6 +38,9 @@ class CellInfo(BaseModel):
     port: int
     launch: dict[str, Any] = Field(default_factory=dict)
     source_cell: str
+    # the GPUs it held when dumped (relocator.cell.devices.DeviceProfile as data; empty: none):
+    # a restore onto other GPUs maps each of them to one of the target's
+    devices: dict[str, Any] = Field(default_factory=dict)
 
 
 class Manifest(BaseModel):

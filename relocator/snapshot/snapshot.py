@@ -18,7 +18,7 @@ from typing import Callable
 
 from adapters.base import EngineFingerprint, get_adapter
 from relocator.choices import Choice
-from relocator.cell import netns
+from relocator.cell import devices, netns
 from relocator.cell.cell import Cell, CellError, cells_dir, new_cell_id
 from relocator.worker import spec_from_dict
 from relocator.snapshot import criu, cuda
@@ -79,6 +79,8 @@ class RestoreTarget:
     fingerprint: Fingerprint | None = None
     verify: VerifyMode = VerifyMode.AUTO
     cell_id: str | None = None
+    # host GPU indices for a GPU image (as many as it held); None: the same indices as the source
+    gpu_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.verify = VerifyMode(self.verify)  # unknown: ValueError naming the modes
@@ -127,8 +129,9 @@ def dump(cell: Cell, image_dir: Path, progress: Progress = _noop) -> Image:
         timings["cuda_checkpoint_s"] = time.monotonic() - t
     progress("criu dump", None)
     netns_inode = os.stat(f"/proc/{cell.init_pid}/ns/net").st_ino
+    dump_args, _ = devices.criu_external_args(devices.DeviceProfile.from_dict(cell.devices))
     try:
-        result = criu.dump(cell.init_pid, image_dir, netns_inode, leave_stopped=True)
+        result = criu.dump(cell.init_pid, image_dir, netns_inode, leave_stopped=True, extra_args=dump_args)
     except criu.CriuError:
         if cuda_pids:
             cuda.restore(cuda_pids)
@@ -154,7 +157,8 @@ def dump(cell: Cell, image_dir: Path, progress: Progress = _noop) -> Image:
     manifest = Manifest(
         files=files,
         fingerprint=fingerprint,
-        cell=CellInfo(engine=cell.engine, port=cell.port, launch=cell.launch, source_cell=cell.id),
+        cell=CellInfo(engine=cell.engine, port=cell.port, launch=cell.launch, source_cell=cell.id,
+                      devices=cell.devices or {}),
         timings=timings,
     )
     write_manifest(image_dir, manifest)
@@ -202,6 +206,20 @@ def compatibility_report(image: Image) -> list[Mismatch]:
     return compatibility(image.manifest.fingerprint, expected_fingerprint(image.manifest))
 
 
+def _target_devices(source: devices.DeviceProfile, gpu_ids: list[int] | None) -> devices.DeviceProfile:
+    """The GPUs a restored copy gets: `gpu_ids` (host indices, as many as the image held) or,
+    when None, the indices the source had. A CPU image gets none."""
+    if not source.gpus:
+        return devices.DeviceProfile()
+    ids = source.gpu_ids if gpu_ids is None else list(gpu_ids)
+    if len(ids) != len(source.gpus):
+        raise SnapshotError(f"the image holds {len(source.gpus)} GPU(s); the target was given {len(ids)} ({ids})")
+    try:
+        return devices.profile_for(ids)
+    except devices.DeviceError as exc:
+        raise SnapshotError(f"cannot give the restored copy GPUs {ids}: {exc}") from None
+
+
 def restore(image: Image | Path, target: RestoreTarget | None = None, progress: Progress = _noop) -> Cell:
     """Verify `image` against this host and restore it into a new cell; returns the cell.
 
@@ -241,6 +259,9 @@ def restore(image: Image | Path, target: RestoreTarget | None = None, progress: 
     mismatches = compatibility(manifest.fingerprint, expected)
     if mismatches:
         raise IncompatibleImage(mismatches)
+    source_gpus = devices.DeviceProfile.from_dict(manifest.cell.devices or manifest.cell.launch.get("devices"))
+    target_gpus = _target_devices(source_gpus, target.gpu_ids)
+    _, restore_args = devices.criu_external_args(target_gpus)
     cell_id = target.cell_id or new_cell_id("r")
     link = netns.create(f"rl-{cell_id}")
     cdir = cells_dir() / cell_id
@@ -248,17 +269,23 @@ def restore(image: Image | Path, target: RestoreTarget | None = None, progress: 
     progress("criu restore", None)
     t = time.monotonic()
     try:
-        pid = criu.restore(image.path, link.path, cdir / "init.pid", log_dir=cdir)
+        pid = criu.restore(image.path, link.path, cdir / "init.pid", log_dir=cdir, extra_args=restore_args)
     except BaseException:
         netns.delete(link.name)
         shutil.rmtree(cdir, ignore_errors=True)
         raise
     cell = Cell(id=cell_id, netns=link.name, ip=link.cell_ip, port=manifest.cell.port, init_pid=pid,
-                engine=manifest.cell.engine, launch=manifest.cell.launch, origin=f"restore:{image.path}")
+                engine=manifest.cell.engine, launch=manifest.cell.launch, origin=f"restore:{image.path}",
+                devices=target_gpus.to_dict() if target_gpus.gpus else {})
     cell.save()
+    if target_gpus.gpus:
+        # the image holds the source's device nodes and driver view: give the cell the target's
+        devices.retarget(pid, target_gpus)
     if cuda.available():
         progress("cuda restore", None)
-        cuda.restore([p for p in cell.pids() if cuda.cuda_state(p) == "checkpointed"])
+        moved = [g.uuid for g in source_gpus.gpus] != [g.uuid for g in target_gpus.gpus]
+        cuda.restore([p for p in cell.pids() if cuda.cuda_state(p) == "checkpointed"],
+                     device_map=devices.device_map(source_gpus, target_gpus) if moved else None)
     (cdir / "restore_timings.json").write_text(json.dumps(
         {"verify_s": verify_s, "verified_by": verified_by, "criu_restore_s": time.monotonic() - t, "total_s": time.monotonic() - t0}))
     return cell
