@@ -43,4 +43,7 @@ else
 fi
 # SGLang, the second engine, in its own venv (.venv-sglang: its pins conflict with vLLM's)
 bash "$ROOT/scripts/install-sglang.sh"
+# The LiteLLM proxy with the relocator plugin, in its own venv (.venv-gateway: its pins
+# conflict with vLLM's)
+bash "$ROOT/scripts/install-gateway.sh"
 "$VPY" -m relocator preflight

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import errno
-import hmac
-import json
 import logging
 import os
 import signal
 import socket
 import time
-from typing import Any, AsyncIterator
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -24,116 +21,18 @@ from aiohttp import web
 from relocator.choices import LogLevel
 
 from . import errors
-from .config import RouterEngine, RouterSettings
-from .core import RouterCore, Stream, Unary, UpstreamError
+from .config import RouterSettings
+from .control import ControlAPI, error_response as _err, openai_errors as _openai_errors, serve_app
+from .core import Stream, Unary
 from .errors import RouterError
-from .metrics import PromHooks
-from .policies import make_policy
+from .runtime import RouterRuntime, make_table
 from .table import RoutingTable
 from . import state as state_io
-from .tokenizers import TokenizerRegistry
+# the upstream pool moved to upstream.py (shared with the gateway shells); kept importable here
+from .upstream import AiohttpUpstream, dead_peer_socket_factory  # noqa: F401
 
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
-
-
-# ---------------------------------------------------------------------- upstream adapter
-class _Resp:
-    __slots__ = ("_r", "status", "content_type")
-
-    def __init__(self, r: aiohttp.ClientResponse) -> None:
-        self._r = r
-        self.status = r.status
-        self.content_type = r.headers.get("Content-Type", "application/json")
-
-    async def read(self) -> bytes:
-        try:
-            return await self._r.read()
-        except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as e:
-            raise UpstreamError(f"{type(e).__name__}: {e}") from None
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        content = self._r.content
-        try:
-            while True:
-                data = await content.readany()
-                if not data:
-                    return
-                yield data
-        except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as e:
-            raise UpstreamError(f"{type(e).__name__}: {e}") from None
-
-    def close(self) -> None:
-        r = self._r
-        r.close()
-        # wake a reader parked on a frozen connection (close() alone may not)
-        exc = aiohttp.ClientConnectionError("upstream aborted by router")
-        try:
-            r.content.set_exception(exc)
-        except Exception:  # pragma: no cover
-            pass
-
-
-def dead_peer_socket_factory(dead_peer_s: float):
-    """Upstream sockets that notice a vanished peer: keepalive probes on idle connections and
-    TCP_USER_TIMEOUT on unacknowledged data. A frozen (SIGSTOPped) worker is not affected: its
-    kernel keeps acknowledging."""
-    idle = max(1, int(dead_peer_s / 3))
-    interval = max(1, int(dead_peer_s / 6))
-
-    def factory(addr_info) -> socket.socket:
-        family, type_, proto, _, _ = addr_info
-        sock = socket.socket(family=family, type=type_, proto=proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for opt, val in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", 3),
-                         ("TCP_USER_TIMEOUT", int(dead_peer_s * 1000))):
-            if hasattr(socket, opt):  # Linux
-                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
-        return sock
-
-    return factory
-
-
-class AiohttpUpstream:
-    def __init__(self, connect_timeout_s: float = 5.0, pool_limit: int = 0, dead_peer_s: float = 15.0) -> None:
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=pool_limit, limit_per_host=0,
-                                           enable_cleanup_closed=False,
-                                           socket_factory=dead_peer_socket_factory(dead_peer_s)),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s),
-            auto_decompress=False, skip_auto_headers=("User-Agent",))
-        self._hdrs = {"Content-Type": "application/json"}
-
-    async def post(self, url: str, body: bytes) -> _Resp:
-        # Idle pooled connections to a worker that was frozen by a dump and then resumed
-        # (rollback) come back reset: drop them and try again before giving up (issue 4).
-        for attempt in range(9):
-            try:
-                r = await self.session.post(url, data=body, headers=self._hdrs)
-            except (aiohttp.ServerDisconnectedError, ConnectionResetError, BrokenPipeError) as e:
-                stale = e
-            except aiohttp.ClientOSError as e:
-                if e.errno not in (errno.ECONNRESET, errno.EPIPE):
-                    raise UpstreamError(f"{type(e).__name__}: {e}") from None
-                stale = e
-            except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError, OSError) as e:
-                raise UpstreamError(f"{type(e).__name__}: {e}") from None
-            else:
-                return _Resp(r)
-        raise UpstreamError(f"{type(stale).__name__}: {stale}")
-
-    async def health(self, endpoint: str, timeout_s: float = 1.0) -> bool:
-        """GET {endpoint}/health answered 200 within `timeout_s` (the suspect-hold probe)."""
-        try:
-            async with self.session.get(endpoint + "/health",
-                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-                await r.read()
-                return r.status == 200
-        except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError, OSError):
-            return False
-
-    async def close(self) -> None:
-        await self.session.close()
 
 
 # ---------------------------------------------------------------------- blackout measure
@@ -214,52 +113,17 @@ class _WatchedTable(RoutingTable):
         return super().switch(worker_id, endpoint, release=release)
 
 
-# ---------------------------------------------------------------------- helpers
-def _err(e: RouterError) -> web.Response:
-    return web.Response(status=e.status, body=e.json_body(), content_type="application/json")
-
-
-@web.middleware
-async def _openai_errors(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except RouterError as e:
-        return _err(e)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status, "http_error")
-        return _err(RouterError(e.status, e.reason or "error", code=code))
-
-
 class RouterServer:
     def __init__(self, settings: RouterSettings | None = None) -> None:
         self.settings = s = settings or RouterSettings()
-        self.table = _WatchedTable(make_policy(s.policy, **s.policy_args),
-                                   hold_queue_max=s.hold_queue_max,
-                                   hold_timeout_s=s.hold_timeout_s,
-                                   prefer_sibling_when_held=s.prefer_sibling_when_held,
-                                   on_switch=self._pause_streams)
+        #: the core and what it shares with the gateway shells (table, tokenizers, hooks, pool)
+        self.rt = RouterRuntime(s, table=make_table(s, _WatchedTable,
+                                                    on_switch=self._pause_streams))
+        self.table = self.rt.table
+        self.tokenizers = self.rt.tokenizers
+        self.hooks = self.rt.hooks
         #: client streams being written, for the blackout measure
         self._client_streams: set[_ClientStream] = set()
-        #: per model, the tokenizer continued streams' text is made with
-        self.tokenizers = TokenizerRegistry()
-        for i, b in enumerate(s.backends):
-            self.table.add(b.worker_id or f"{b.model}-{i}", b.model, b.url,
-                           b.engine.value if b.engine else None)
-            if b.tokenizer:
-                self.tokenizers.register(b.model, b.tokenizer)
-        if s.state_file is not None:  # newer than the config: it wins
-            reps = state_io.load(s.state_file)
-            if reps:
-                log.info("router state: %d replicas from %s",
-                         state_io.restore(self.table, reps), s.state_file)
-                for model, path in state_io.tokenizers_of(reps).items():
-                    self.tokenizers.register(model, path)
-        self.hooks = PromHooks()
-        self.table.on_held_change = self.hooks.held_changed
-        self.upstream: AiohttpUpstream | None = None
-        self.core: RouterCore | None = None
         self._runners: list[web.AppRunner] = []
         self._sites: list[web.BaseSite] = []
         self._listen_sock: socket.socket | None = None
@@ -274,13 +138,7 @@ class RouterServer:
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> "RouterServer":
         s = self.settings
-        self.upstream = AiohttpUpstream(s.connect_timeout_s, s.pool_limit, s.upstream_dead_peer_s)
-        self.core = RouterCore(self.table, self.upstream, engine=s.engine.value,
-                               max_body_bytes=s.max_body_bytes, retries=s.retries,
-                               max_continuations=s.max_continuations,
-                               continuation=s.continuation, hooks=self.hooks,
-                               unreachable_hold_s=s.unreachable_hold_s,
-                               probe=self.upstream.health, tokenizers=self.tokenizers)
+        self.rt.start()
         api = web.Application(middlewares=[self._drain_mw, _openai_errors],
                               client_max_size=s.max_body_bytes + 1)
         api.router.add_post("/v1/completions", self._completions)
@@ -293,31 +151,18 @@ class RouterServer:
             self.port = await self._serve(api, sock=self._listen_sock)
         else:
             self.port = await self._serve(api, s.host, s.port)
-        ctl = web.Application(middlewares=[self._drain_mw, _openai_errors, self._auth,
-                                           self._forward_mw], client_max_size=1 << 20)
-        ctl.router.add_get("/control/replicas", self._c_list)
-        ctl.router.add_post("/control/replicas", self._c_add)
-        ctl.router.add_delete("/control/replicas/{worker}", self._c_remove)
-        ctl.router.add_post("/control/workers/{worker}/hold", self._c_hold)
-        ctl.router.add_post("/control/workers/{worker}/switch", self._c_switch)
-        ctl.router.add_post("/control/workers/{worker}/release", self._c_release)
-        host = s.control_host if s.control_token else "127.0.0.1"
-        self.control_port = await self._serve(ctl, host, s.control_port)
+        control = ControlAPI(self.rt)
+        ctl = control.app(outer=(self._drain_mw,), inner=(self._forward_mw,))
+        self.control_port = await self._serve(ctl, control.host(), s.control_port)
         return self
 
     async def _serve(self, app: web.Application, host: str = "", port: int = 0,
                      sock: socket.socket | None = None) -> int:
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-        await runner.setup()
-        site: web.BaseSite
-        if sock is not None:
-            site = web.SockSite(runner, sock, backlog=1024)
-        else:
-            site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
-        await site.start()
-        self._runners.append(runner)
-        self._sites.append(site)
-        return runner.addresses[0][1]
+        def keep(runner: web.AppRunner, site: web.BaseSite) -> None:
+            self._runners.append(runner)
+            self._sites.append(site)
+
+        return await serve_app(app, host, port, sock, on_started=keep)
 
     async def stop(self) -> None:
         if self._drain_task is not None and not self._drain_task.done():
@@ -328,23 +173,14 @@ class RouterServer:
             await r.cleanup()
         self._runners.clear()
         self._sites.clear()
-        if self.core is not None:
-            self.core.close()
         if self._listen_sock is not None:
             self._listen_sock.close()
-        if self.upstream is not None:
-            await self.upstream.close()
+        await self.rt.close()
 
     # ---- restarts: persisted table, graceful hand-over -------------------------------
     def persist(self) -> None:
         """Write the table after a control-API change (no-op without `state_file`)."""
-        path = self.settings.state_file
-        if path is None:
-            return
-        try:
-            state_io.save(path, self.table, self.tokenizers.paths)
-        except OSError as e:
-            log.warning("router state %s not written: %s", path, e)
+        self.rt.persist()
 
     def drain(self) -> None:
         """SIGTERM of a supervised router: stop accepting (the shared listener stays open in
@@ -463,6 +299,14 @@ class RouterServer:
         await self.stop()
 
     @property
+    def core(self):
+        return self.rt.core
+
+    @property
+    def upstream(self):
+        return self.rt.upstream
+
+    @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
@@ -559,97 +403,6 @@ class RouterServer:
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.hooks.render(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
-
-    # ---- control API -----------------------------------------------------------------
-    @web.middleware
-    async def _auth(self, request: web.Request, handler):
-        token = self.settings.control_token
-        if token:
-            got = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
-                raise errors.unauthorized()
-        return await handler(request)
-
-    async def _json(self, request: web.Request) -> dict:
-        try:
-            body = await request.json() if request.can_read_body else {}
-        except (ValueError, RecursionError) as e:
-            raise errors.bad_request(f"Malformed JSON body: {e}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise errors.bad_request("The request body must be a JSON object.", code="invalid_json")
-        return body
-
-    def _worker(self, request: web.Request):
-        w = request.match_info["worker"]
-        try:
-            self.table.get(w)
-        except KeyError:
-            raise RouterError(404, f"Unknown worker `{w}`.", code="worker_not_found",
-                              param="worker") from None
-        return w
-
-    async def _c_list(self, request: web.Request) -> web.Response:
-        return web.json_response(self.table.snapshot())
-
-    async def _c_add(self, request: web.Request) -> web.Response:
-        b = await self._json(request)
-        for k in ("worker_id", "model", "url"):
-            if not isinstance(b.get(k), str) or not b[k]:
-                raise errors.bad_request(f"Missing required parameter: '{k}'.",
-                                         code="missing_required_parameter", param=k)
-        if not b["url"].startswith(("http://", "https://")):
-            raise errors.bad_request("url must start with http:// or https://", param="url")
-        tok = b.get("tokenizer")
-        if tok is not None:
-            why = (TokenizerRegistry.check_path(tok) if isinstance(tok, str) and tok
-                   else "tokenizer must be a path")
-            if why:
-                raise errors.bad_request(f"tokenizer: {why}", param="tokenizer")
-        engine = b.get("engine")
-        if engine is not None:
-            try:
-                engine = RouterEngine(engine).value
-            except ValueError as e:
-                raise errors.bad_request(str(e), param="engine") from None
-        try:
-            r = self.table.add(b["worker_id"], b["model"], b["url"], engine)
-        except ValueError as e:
-            raise RouterError(409, str(e), code="conflict") from None
-        if tok:
-            self.tokenizers.register(b["model"], tok)
-            # loaded now, off the event loop, not at the first splice
-            await asyncio.to_thread(self.tokenizers.load, b["model"])
-        self.persist()
-        return web.json_response(r.info())
-
-    async def _c_remove(self, request: web.Request) -> web.Response:
-        info = self.table.remove(self._worker(request)).info()
-        self.persist()
-        return web.json_response(info)
-
-    async def _c_hold(self, request: web.Request) -> web.Response:
-        info = self.table.hold(self._worker(request))
-        self.persist()
-        return web.json_response(info)
-
-    async def _c_switch(self, request: web.Request) -> web.Response:
-        w = self._worker(request)
-        b = await self._json(request)
-        ep = b.get("endpoint")
-        if not isinstance(ep, str) or not ep.startswith(("http://", "https://")):
-            raise errors.bad_request("Missing or invalid 'endpoint' (http[s]://host:port).",
-                                     param="endpoint")
-        release = b.get("release", True)
-        if not isinstance(release, bool):  # "false" must not read as true
-            raise errors.bad_request(f"'release' must be true or false, not {release!r}.", param="release")
-        info = self.table.switch(w, ep, release=release)
-        self.persist()
-        return web.json_response(info)
-
-    async def _c_release(self, request: web.Request) -> web.Response:
-        info = self.table.release(self._worker(request))
-        self.persist()
-        return web.json_response(info)
 
 
 async def serve_forever(settings: RouterSettings) -> None:
