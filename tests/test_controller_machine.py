@@ -21,6 +21,7 @@ class FakeBackend:
         self.calls: list[tuple] = []
         self.fail: dict[str, Exception] = {}
         self.incompatible: list[str] = []
+        self.gpu_ids: dict[str, list[int]] = {}  # what reserve() says Ray gave, per node
 
     def _call(self, name: str, *args) -> None:
         self.calls.append((name, *args))
@@ -41,6 +42,7 @@ class FakeBackend:
     def reserve(self, worker, node, name):
         self._call("reserve", node, name)
         self.reserved.add(name)
+        return self.gpu_ids.get(node)
 
     def free(self, name):
         self._call("free", name)
@@ -71,9 +73,10 @@ class FakeBackend:
         self.images.add((dst, dst_image_dir))
         return {"bytes": 1234, "chunks": 3}
 
-    def restore(self, node, image_dir, cell, verified=False):
+    def restore(self, node, image_dir, cell, verified=False, gpu_ids=None):
         self.cells[(node, cell)] = "running"
         self._call("restore", node, cell)
+        self.restore_gpu_ids = gpu_ids
         self.restore_verified = verified
         return {"endpoint": f"http://{node}/{cell}", "cell_id": cell}
 
@@ -138,6 +141,23 @@ def test_stream_transfer_and_target_choice(env) -> None:
     assert ("transfer", "n1", "n2") in be.calls
     assert be.restore_verified  # streamed bytes were hashed on arrival: no second pass
     assert rel.dst_image_dir == "/img/n2/r1" and be.images == set()
+
+
+def test_the_copy_gets_the_gpu_ids_of_its_reservation(env) -> None:
+    """The target reservation's GPU indices go to the restore and, once switched, into the
+    worker's record; a rollback leaves the source's."""
+    store, be = env
+    w = store.worker("w1")
+    w.gpu_ids = [0, 1]
+    store.save_worker(w)
+    be.gpu_ids = {"n2": [2, 3]}
+    rel = Machine(store, be).run(Relocation(id="r1", worker="w1", src="n1", dst="n2"))
+    assert rel.result == DONE and rel.dst_gpu_ids == [2, 3]
+    assert be.restore_gpu_ids == [2, 3] and store.worker("w1").gpu_ids == [2, 3]
+    be.gpu_ids = {"n1": [1, 0]}
+    rel = Machine(store, be).run(Relocation(id="r2", worker="w1", src="n2", dst="n1", faults={"restore": True}))
+    assert rel.result == ROLLED_BACK and be.restore_gpu_ids == [1, 0]
+    assert store.worker("w1").gpu_ids == [2, 3]
 
 
 def test_each_phase_is_persisted_before_it_starts(env) -> None:
@@ -245,7 +265,7 @@ def test_crash_after_restore_completed_rolls_back_cleanly(env) -> None:
     store, be = env
     orig = be.restore
 
-    def restore_then_die(node, image_dir, cell, verified=False):
+    def restore_then_die(node, image_dir, cell, verified=False, gpu_ids=None):
         orig(node, image_dir, cell)
         raise SimulatedCrash()
 
@@ -310,7 +330,7 @@ def test_target_dying_after_restore_rolls_back_to_the_stopped_source(env, when: 
     store, be = env
     real_restore, real_switch = be.restore, be.switch
 
-    def restore(node, image_dir, cell, verified=False):
+    def restore(node, image_dir, cell, verified=False, gpu_ids=None):
         info = real_restore(node, image_dir, cell, verified)
         if when == "before":
             be.cells[(node, cell)] = "absent"  # killed between RESTORE and SWITCH
@@ -336,7 +356,7 @@ def test_target_node_lost_before_switch_rolls_back(env) -> None:
     store, be = env
     real_restore = be.restore
 
-    def restore(node, image_dir, cell, verified=False):
+    def restore(node, image_dir, cell, verified=False, gpu_ids=None):
         info = real_restore(node, image_dir, cell, verified)
         be.cells[(node, cell)] = "lost"
         return info

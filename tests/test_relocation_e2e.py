@@ -40,6 +40,18 @@ def expected_free(ctl) -> dict[str, int]:
     return free
 
 
+def assert_gpu_ids_from_ray(st: dict) -> None:
+    """Each running worker holds as many of its node's GPU indices as it asked for (Ray's ids of
+    its reservation), and workers on one node hold disjoint ones."""
+    total = {n["id"]: n["gpus_total"] for n in st["nodes"]}
+    taken: dict[str, list[int]] = {}
+    for w in st["workers"]:
+        if w["state"] == "running":
+            assert len(w["gpu_ids"]) == w["gpus"] and all(0 <= i < total[w["node"]] for i in w["gpu_ids"]), w
+            taken.setdefault(w["node"], []).extend(w["gpu_ids"])
+    assert all(len(ids) == len(set(ids)) for ids in taken.values()), taken
+
+
 def live_cells(ctl, worker: str) -> list[tuple[str, str]]:
     out = []
     for node, cells in ctl.cells().items():
@@ -81,6 +93,7 @@ def ref(relocator_cluster, w1) -> Reference:
 def test_relocate_under_eight_streams(relocator_cluster, w1, ref) -> None:
     ctl = relocator_cluster
     assert gpus_free(ctl) == {"n1": 2, "n2": 4, "n3": 4}
+    assert_gpu_ids_from_ray(ctl.status())
     res = relocate_under_load(ctl, w1, "n2", MODEL, concurrency=8, max_tokens=MAX_TOKENS, ref=ref)
     rel, load = res["relocation"], res["load"]
     assert rel["result"] == "done", rel
@@ -95,6 +108,7 @@ def test_relocate_under_eight_streams(relocator_cluster, w1, ref) -> None:
     assert (w["node"], w["state"]) == ("n2", "running")
     assert live_cells(ctl, w1) == [("n2", w["cell"])] and all_cells(ctl, w1) == [("n2", w["cell"])]
     assert gpus_free(ctl) == {"n1": 4, "n2": 2, "n3": 4}
+    assert_gpu_ids_from_ray(st)
     assert {"id", "worker", "from", "to", "phase", "result"} <= set(st["relocations"][-1])
 
 
@@ -204,6 +218,7 @@ def test_drain_node_with_two_workers(relocator_cluster, w1, ref) -> None:
     for wid in (w1, w2):
         assert len(live_cells(ctl, wid)) == 1 and len(all_cells(ctl, wid)) == 1
     assert gpus_free(ctl) == expected_free(ctl)
+    assert_gpu_ids_from_ray(st)
     greedy_ok(ctl.router_url, ref)
 
 

@@ -172,16 +172,18 @@ class NodeAgent:
             resume_source(cell)
 
     def restore(self, image_dir: str, cell_id: str, ready_timeout: float = 120.0,
-                verify: str = "auto") -> dict[str, Any]:
+                verify: str = "auto", gpu_ids: list[int] | None = None) -> dict[str, Any]:
         """Restore into cell `cell_id`. `verify` as in `RestoreTarget`: "auto" re-hashes the
         files unless this host hashed these very files already (a dump here, or a verified
-        transfer, leaves a stamp); the manifest digest and the fingerprint are always checked."""
+        transfer, leaves a stamp); the manifest digest and the fingerprint are always checked.
+        `gpu_ids`: this node's GPU indices for the copy (a GPU image only; on fake-GPU nodes the
+        image holds no devices and they are ignored)."""
         from relocator.snapshot import RestoreTarget, restore
         from relocator.worker import wait_ready
 
         with self._lock(cell_id):
             t0 = time.monotonic()
-            cell = restore(Path(image_dir), RestoreTarget(cell_id=cell_id, verify=verify))
+            cell = restore(Path(image_dir), RestoreTarget(cell_id=cell_id, verify=verify, gpu_ids=gpu_ids))
             restored = time.monotonic() - t0
             try:
                 ready = asyncio.run(wait_ready(cell, timeout=ready_timeout, poll=0.05))

@@ -95,7 +95,9 @@ class RayBackend:
         return str(self.ctl.node_dir(node) / "images" / relocation_id)
 
     # -- reservations --------------------------------------------------------------------------
-    def reserve(self, worker: WorkerRecord, node: str, name: str, timeout: float = 15.0) -> None:
+    def reserve(self, worker: WorkerRecord, node: str, name: str, timeout: float = 15.0) -> list[int]:
+        """Hold `worker.gpus` GPUs on `node` in placement group `name`; returns the node's GPU
+        indices Ray gave it (fixed for the group's life: what the worker's cell gets)."""
         import ray
         from ray.util import placement_group
 
@@ -103,6 +105,7 @@ class RayBackend:
                              strategy="STRICT_PACK", name=name, lifetime="detached")
         try:
             ray.get(pg.ready(), timeout=timeout)
+            return bundle_gpu_ids(pg, worker.gpus, timeout)
         except Exception as exc:
             ray.util.remove_placement_group(pg)
             raise RuntimeError(f"could not reserve {worker.gpus} GPU(s) on {node} within {timeout:.0f}s "
@@ -149,10 +152,11 @@ class RayBackend:
     def transfer(self, src: str, dst: str, image_dir: str, dst_image_dir: str) -> dict:
         return self.call(dst, "receive_image", src, image_dir, dst_image_dir)
 
-    def restore(self, node: str, image_dir: str, cell_id: str, verified: bool = False) -> dict:
+    def restore(self, node: str, image_dir: str, cell_id: str, verified: bool = False,
+                gpu_ids: list[int] | None = None) -> dict:
         # "auto": a streamed image was hashed on arrival and stamped, a dump on this host
         # stamped its own files; anything else is hashed again before it is restored
-        return self.call(node, "restore", image_dir, cell_id, verify="auto")
+        return self.call(node, "restore", image_dir, cell_id, verify="auto", gpu_ids=gpu_ids)
 
     def cell_state(self, node: str, cell_id: str) -> str:
         """running | stopped | absent, or lost when the node is gone."""
@@ -190,3 +194,23 @@ class RayBackend:
 
             # shared storage (or this very host): the files are reachable from here
             shutil.rmtree(image_dir, ignore_errors=True)
+
+
+def bundle_gpu_ids(pg, gpus: int, timeout: float = 15.0) -> list[int]:
+    """The GPU indices of a placement group's bundle 0: what Ray gives a task scheduled in it
+    (Ray fixes a bundle's GPU instances when it commits the bundle, so every task in it sees
+    the same ones). On fake-GPU nodes these are Ray's logical indices."""
+    if gpus <= 0:
+        return []
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    probe = ray.remote(num_cpus=0, num_gpus=gpus)(_gpu_ids).options(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0))
+    return [int(i) for i in ray.get(probe.remote(), timeout=timeout)]
+
+
+def _gpu_ids() -> list:
+    import ray
+
+    return ray.get_gpu_ids()

@@ -273,12 +273,13 @@ class Controller:
         seconds), else a cold launch (the engine loads and compiles again)."""
         if w.last_image and Path(w.last_image).exists():
             try:
-                return "restored from its last image", self.backend.restore(node, w.last_image, w.cell_id)
+                return "restored from its last image", self.backend.restore(node, w.last_image, w.cell_id,
+                                                                            gpu_ids=w.gpu_ids or None)
             except Exception as exc:  # noqa: BLE001 - fall back to a cold start
                 log.warning("warm restart of %s from %s failed (%s); launching cold", w.id, w.last_image, exc)
                 self._best_effort(f"removing the failed restore of {w.id}", lambda: self.backend.kill(node, w.cell_id))
         return "cold launch", self.backend.call(node, "launch", w.cell_id, w.model_dir, w.model,
-                                              engine=w.engine)
+                                              engine=w.engine, gpu_ids=w.gpu_ids or None)
 
     def _drop_last_image(self, w: WorkerRecord) -> None:
         if w.last_image:
@@ -323,7 +324,7 @@ class Controller:
             w.node, w.cell_id, w.reservation, w.endpoint = node, f"{w.id}-x{tag}", f"relocator-{w.id}-x{tag}", ""
             w.state = "replacing"  # a controller restarted now kills this copy and starts again
             self.store.save_worker(w)
-            self.backend.reserve(w, node, w.reservation)
+            w.gpu_ids = list(self.backend.reserve(w, node, w.reservation) or [])
             how, info = self._start_copy(w, node)
             w.endpoint = info["endpoint"]
             self.backend.switch(w.id, w.endpoint)
@@ -606,7 +607,8 @@ class Controller:
             self.store.save_worker(w)
             self._busy.add(w.id)
         try:
-            self.backend.reserve(w, node, w.reservation, timeout=timeout)
+            w.gpu_ids = list(self.backend.reserve(w, node, w.reservation, timeout=timeout) or [])
+            self.store.save_worker(w)
         except BaseException:
             self._best_effort(f"freeing {w.reservation}", lambda: self.backend.free(w.reservation))
             self.store.delete_worker(w.id)
@@ -622,7 +624,8 @@ class Controller:
         node = w.node
         try:
             t1 = time.monotonic()
-            info = self.backend.call(node, "launch", w.cell_id, w.model_dir, w.model, engine=w.engine)
+            info = self.backend.call(node, "launch", w.cell_id, w.model_dir, w.model, engine=w.engine,
+                                     gpu_ids=w.gpu_ids or None)
             w.launch_s = round(time.monotonic() - t1, 3)
             w.endpoint = info["endpoint"]
             self.router().add_replica(w.id, w.model, w.endpoint, tokenizer_of(w), w.engine)
@@ -680,7 +683,7 @@ class Controller:
             self._best_effort(f"killing the suspended source of {w.id}", lambda: self.backend.kill(node, cell))
             self.backend.free(reservation)
             w.state, w.image, w.image_node = WorkerState.SUSPENDED, image, node
-            w.node, w.cell_id, w.reservation, w.endpoint, w.deadline = "", "", "", "", None
+            w.node, w.cell_id, w.reservation, w.endpoint, w.deadline, w.gpu_ids = "", "", "", "", None, []
             w.suspend_reason, w.suspended_at, w.suspensions = reason.value, time.time(), w.suspensions + 1
             self.store.save_worker(w)
             out = {"worker": w.id, "node": node, "reason": reason.value, "image": image,
@@ -757,7 +760,7 @@ class Controller:
             self._best_effort(f"cleaning up the interrupted resume of {w.id}",
                               lambda: self.backend.kill(w.node, w.cell_id), lambda: self.backend.free(w.reservation))
         w.state = WorkerState.SUSPENDED
-        w.node, w.cell_id, w.reservation, w.endpoint = "", "", "", ""
+        w.node, w.cell_id, w.reservation, w.endpoint, w.gpu_ids = "", "", "", "", []
         self.store.save_worker(w)
         if w.suspend_reason != SuspendReason.OPERATOR and self.store.demand(w.id) is None:
             self._queue(Demand(id=w.id, kind=DemandKind.RESUME, model=w.model, gpus=w.gpus, priority=w.priority,
@@ -788,10 +791,12 @@ class Controller:
             w.node, w.cell_id, w.reservation, w.state = node, f"{w.id}-s{tag}", f"relocator-{w.id}-s{tag}", WorkerState.RESUMING
             self.store.save_worker(w)
         try:
-            self.backend.reserve(w, node, w.reservation, timeout=timeout)
+            w.gpu_ids = list(self.backend.reserve(w, node, w.reservation, timeout=timeout) or [])
+            self.store.save_worker(w)
         except BaseException:
             self._best_effort(f"freeing {w.reservation}", lambda: self.backend.free(w.reservation))
             w.node, w.cell_id, w.reservation, w.state = "", "", "", WorkerState.SUSPENDED
+            w.gpu_ids = []
             self.store.save_worker(w)
             with self._lock:
                 self._busy.discard(w.id)
@@ -806,7 +811,7 @@ class Controller:
             if self.transfer is TransferMode.STREAM and node != w.image_node:
                 image = str(self.node_dir(node) / "images" / Path(w.image).name)
                 self.backend.transfer(w.image_node, node, w.image, image)
-            info = self.backend.restore(node, image, w.cell_id)
+            info = self.backend.restore(node, image, w.cell_id, gpu_ids=w.gpu_ids or None)
             w.endpoint = info["endpoint"]
             self.backend.switch(w.id, w.endpoint)  # registers it again if the router forgot it
             suspended_s = round(time.time() - (w.suspended_at or time.time()), 3)
@@ -832,7 +837,7 @@ class Controller:
         except BaseException as exc:
             self._best_effort(f"cleaning up the failed resume of {w.id}", lambda: self.backend.kill(node, w.cell_id),
                               lambda: self.backend.free(w.reservation))
-            w.node, w.cell_id, w.reservation, w.endpoint, w.state = "", "", "", "", WorkerState.SUSPENDED
+            w.node, w.cell_id, w.reservation, w.endpoint, w.state, w.gpu_ids = "", "", "", "", WorkerState.SUSPENDED, []
             w.error = f"resume on {node} failed: {exc}"
             self.store.save_worker(w)
             if self.store.demand(w.id) is not None or w.suspend_reason != SuspendReason.OPERATOR:
@@ -1136,7 +1141,7 @@ class Controller:
             "router_control_url": self.router_control_url,
             "nodes": [{**n.to_dict(), "lost_at": self._lost_nodes.get(n.id)} for n in nodes.values()],
             "workers": [{"id": w.id, "model": w.model, "node": w.node, "state": w.state, "endpoint": w.endpoint,
-                         "gpus": w.gpus, "cell": w.cell_id, "reservation": w.reservation,
+                         "gpus": w.gpus, "gpu_ids": w.gpu_ids, "cell": w.cell_id, "reservation": w.reservation,
                          "replacements": w.replacements, "last_image": w.last_image,
                          "priority": w.priority, "time_limit_s": w.time_limit_s, "deadline": w.deadline,
                          "image": w.image, "suspend_reason": w.suspend_reason, "suspended_at": w.suspended_at,

@@ -94,7 +94,7 @@ class Backend(Protocol):
     def compatible(self, worker: WorkerRecord, node: str) -> list[str]: ...
     def image_dir(self, node: str, relocation_id: str) -> str: ...
     # reservations (placement groups)
-    def reserve(self, worker: WorkerRecord, node: str, name: str) -> None: ...
+    def reserve(self, worker: WorkerRecord, node: str, name: str) -> list[int] | None: ...  # its GPU ids
     def free(self, name: str) -> None: ...
     # router
     def hold(self, worker_id: str) -> None: ...
@@ -103,7 +103,8 @@ class Backend(Protocol):
     # agents
     def dump(self, node: str, cell_id: str, image_dir: str) -> dict: ...
     def transfer(self, src: str, dst: str, image_dir: str, dst_image_dir: str) -> dict: ...
-    def restore(self, node: str, image_dir: str, cell_id: str, verified: bool = False) -> dict: ...
+    def restore(self, node: str, image_dir: str, cell_id: str, verified: bool = False,
+                gpu_ids: list[int] | None = None) -> dict: ...
     def cell_state(self, node: str, cell_id: str) -> str: ...  # running | stopped | absent | lost
     def resume(self, node: str, cell_id: str) -> None: ...
     def kill(self, node: str, cell_id: str) -> None: ...
@@ -243,8 +244,9 @@ class Machine:
     def _p_reserve(self, rel: Relocation, w: WorkerRecord) -> dict:
         rel.reservation = f"relocator-{w.id}-{rel.id}"
         self._save(rel)
-        self.backend.reserve(w, rel.dst, rel.reservation)
-        return {"reservation": rel.reservation, "gpus": w.gpus}
+        rel.dst_gpu_ids = list(self.backend.reserve(w, rel.dst, rel.reservation) or [])
+        self._save(rel)
+        return {"reservation": rel.reservation, "gpus": w.gpus, "gpu_ids": rel.dst_gpu_ids}
 
     def _p_hold(self, rel: Relocation, w: WorkerRecord) -> dict:
         self.backend.hold(w.id)
@@ -270,7 +272,7 @@ class Machine:
     def _p_restore(self, rel: Relocation, w: WorkerRecord) -> dict:
         # a streamed image was hashed byte by byte on arrival: no second pass over it
         info = self.backend.restore(rel.dst, rel.dst_image_dir, rel.dst_cell,
-                                    verified=rel.transfer == TransferMode.STREAM)
+                                    verified=rel.transfer == TransferMode.STREAM, gpu_ids=rel.dst_gpu_ids or None)
         rel.dst_endpoint = info["endpoint"]
         self._save(rel)
         self._fault(rel, "RESTORE")
@@ -301,6 +303,7 @@ class Machine:
         self._target_alive(rel, "after the switch")
         w = self.store.worker(w.id) or w
         w.node, w.cell_id, w.endpoint, w.reservation = rel.dst, rel.dst_cell, rel.dst_endpoint, rel.reservation
+        w.gpu_ids = list(rel.dst_gpu_ids)
         self.store.save_worker(w)
         return {"moved_streams": info.get("moved_streams"), "released": info.get("released")}
 

@@ -117,6 +117,7 @@ class WorkerRecord:
     endpoint: str = ""
     state: str = WorkerState.STARTING  # a WorkerState
     reservation: str = ""  # name of the placement group holding its GPUs
+    gpu_ids: list[int] = field(default_factory=list)  # the node's GPU indices Ray gave that reservation
     model_dir: str = ""
     launch_s: float = 0.0
     created_at: float = field(default_factory=time.time)
@@ -210,6 +211,7 @@ class Relocation:
     engine: str = ""  # the worker's engine (a metric label)
     reason: FailureReason = FailureReason.NONE  # set when it finishes
     reservation: str = ""  # the target's reservation (placement group name)
+    dst_gpu_ids: list[int] = field(default_factory=list)  # the target's GPU indices in it
     src_reservation: str = ""
     faults: dict[str, Any] = field(default_factory=dict)
     phases: list[dict[str, Any]] = field(default_factory=list)
