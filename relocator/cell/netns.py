@@ -48,6 +48,13 @@ def _run(*args: str) -> None:
         raise NetnsError(f"{' '.join(args)} failed: {proc.stderr.strip() or proc.stdout.strip()}")
 
 
+def cell_routes() -> list[str]:
+    """Extra routes a cell gets through its host (RELOCATOR_CELL_ROUTES, comma-separated CIDRs or
+    `default`): on a multi-host deployment with routed cell subnets, the networks the router and
+    other hosts are on (docs/deploy.md "Networking"). None by default: only the host reaches it."""
+    return [c.strip() for c in os.environ.get("RELOCATOR_CELL_ROUTES", "").split(",") if c.strip()]
+
+
 def _registry() -> Path:
     return net_dir()
 
@@ -95,6 +102,8 @@ def create(name: str) -> NetLink:
             _run("ip", "-n", name, "addr", "add", f"{cell_ip}/30", "dev", peer_if)
             _run("ip", "-n", name, "link", "set", peer_if, "up")
             _run("ip", "-n", name, "link", "set", "lo", "up")
+            for cidr in cell_routes():  # routed cell subnets: replies reach other hosts
+                _run("ip", "-n", name, "route", "add", cidr, "via", host_ip)
         except NetnsError:
             _teardown(name, host_if)
             raise

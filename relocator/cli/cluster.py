@@ -44,16 +44,26 @@ def phases_table(rel: dict, title: str | None = None) -> Table:
 def up_cmd(config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML (default configs/local.yaml)"),
            nodes: Optional[int] = typer.Option(None, help="raylets (nodes) on this machine"),
            gpus: Optional[int] = typer.Option(None, "--gpus", help="fake GPUs per node"),
+           emulate_hosts: Optional[int] = typer.Option(None, "--emulate-hosts", min=1, max=15,
+                                                       help="N emulated hosts (own network and mount namespaces "
+                                                       "each), with relocator deployed on them"),
            cluster_dir: Optional[str] = CLUSTER_DIR, json_out: bool = JSON) -> None:
-    """Start a local Ray cluster of N nodes with G fake GPUs each, the controller and the router."""
+    """Start a local Ray cluster of N nodes with G fake GPUs each, the controller and the router;
+    with --emulate-hosts, N emulated hosts and `relocator deploy` on them (docs/deploy.md)."""
     from relocator.cluster.config import LocalConfig, cluster_dir as default_dir
     from relocator.cluster.local import up
 
-    cfg = LocalConfig.load(config, cluster={"nodes": nodes, "gpus_per_node": gpus,
+    cfg = LocalConfig.load(config, cluster={"nodes": nodes, "gpus_per_node": gpus, "emulate_hosts": emulate_hosts,
                                             "base_dir": cluster_dir or str(default_dir())})
     info = up(cfg)
     if json_out:
         print_json(info)
+        return
+    if info.get("emulated"):
+        hosts = info["emulated"]["hosts"]
+        console.print(f"[green]up[/] in {info['startup_s']:.1f}s: {len(hosts)} emulated hosts "
+                      f"({', '.join(h['name'] + ' ' + h['ip'] for h in hosts)}) x {info['gpus_per_node']} GPUs, "
+                      f"router {info['router_url']}, ray {info['address']}")
         return
     console.print(f"[green]up[/] in {info['startup_s']:.1f}s: {len(info['nodes'])} nodes x "
                   f"{info['gpus_per_node']} GPUs, router {info['router_url']}, ray {info['address']}")

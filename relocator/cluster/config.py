@@ -30,6 +30,10 @@ class ClusterSection(_Section):
     # workers are replaced only then
     health_check_period_ms: int = Field(1000, ge=100)
     health_check_failure_threshold: int = Field(3, ge=1)
+    # 0: every node a raylet on this machine's loopback (one filesystem); N: N emulated hosts,
+    # each a raylet in its own network and mount namespaces, with relocator deployed on them
+    # (relocator/cluster/emulate.py, docs/deploy.md)
+    emulate_hosts: int = Field(0, ge=0, le=15)
 
 
 class RouterSection(_Section):

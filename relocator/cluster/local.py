@@ -67,6 +67,12 @@ def up(config: LocalConfig | None = None, timeout: float = 120.0) -> dict[str, A
     if info and _alive(info.get("daemon_pid", -1)):
         raise ClusterError(f"a cluster is already running from {base} (daemon pid {info['daemon_pid']}); "
                            "`relocator down` first")
+    if info and info.get("emulated"):
+        raise ClusterError(f"emulated hosts are running from {base}; `relocator down` first")
+    if config.cluster.emulate_hosts:
+        from relocator.cluster.emulated import up_emulated
+
+        return up_emulated(config, timeout=max(timeout, 600.0))
     base.mkdir(parents=True, exist_ok=True)
     info_path(base).unlink(missing_ok=True)
     for stale in base.glob("controller.db*"):  # a new cluster starts with an empty inventory
@@ -100,6 +106,10 @@ def down(base_dir: str | Path | None = None, timeout: float = 90.0) -> dict[str,
     info = read_info(base)
     if info is None:
         return {"stopped": False, "reason": f"no cluster running from {base}"}
+    if info.get("emulated"):
+        from relocator.cluster.emulated import down_emulated
+
+        return down_emulated(base, info)
     pid = int(info.get("daemon_pid", -1))
     out: dict[str, Any] = {"stopped": True, "daemon_pid": pid, "forced": []}
     if _alive(pid):

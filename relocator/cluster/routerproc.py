@@ -40,8 +40,8 @@ class RouterSupervisor:
 
     def __init__(self, *, port: int, control_port: int, state_file: Path, log_file: IO[bytes],
                  env: dict[str, str] | None = None, cwd: str | Path | None = None,
-                 extra_args: list[str] | None = None) -> None:
-        self.sock = listening_socket(port)
+                 extra_args: list[str] | None = None, host: str = "127.0.0.1") -> None:
+        self.sock = listening_socket(port, host)
         self.port = self.sock.getsockname()[1]
         self.control_port = control_port
         self.state_file = Path(state_file)
@@ -52,7 +52,7 @@ class RouterSupervisor:
                     "RELOCATOR_ROUTER_LISTEN_FD": str(self.sock.fileno()),
                     "RELOCATOR_ROUTER_SUPERVISED": "1",
                     "RELOCATOR_ROUTER_STATE_FILE": str(self.state_file)}
-        self.cmd = [sys.executable, "-m", "relocator.router", "--host", "127.0.0.1",
+        self.cmd = [sys.executable, "-m", "relocator.router", "--host", host,
                     "--port", str(self.port), *(extra_args or [])]
         self.handed_over = threading.Event()
         self.router: subprocess.Popen | None = None

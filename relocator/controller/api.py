@@ -180,10 +180,17 @@ def connect(base_dir: str | Path | None = None, address: str | None = None) -> C
         if not info.get("address"):
             raise RuntimeError(f"no local cluster running from {base} (run `relocator up`)")
         address = info["address"]
-    for k, v in RAY_ENV.items():
+    for k, v in {**RAY_ENV, **info.get("ray_env", {})}.items():
         os.environ.setdefault(k, v)
     if not ray.is_initialized():
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="error")
+        if address.startswith("ray://"):  # Ray Client (a deployed or emulated cluster, from outside it)
+            ray.init(address=address, namespace=NAMESPACE, logging_level="error")
+        else:
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="error")
+    if not info.get("router_url"):  # a deployed cluster (`relocator deploy`) describes itself in Ray
+        from relocator.deploy import deployment
+
+        info = {**(deployment() or {}), **info}
     handle = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
     return ControllerClient(handle, info)
 

@@ -101,8 +101,14 @@ class RayBackend:
         import ray
         from ray.util import placement_group
 
-        pg = placement_group([{"GPU": float(worker.gpus), f"relocator_node:{node}": 0.001}],
-                             strategy="STRICT_PACK", name=name, lifetime="detached")
+        info = self.ctl.inventory().get(node)
+        if self.ctl.config.get("node_names") and info is not None:
+            # a deployed cluster's nodes carry no relocator_node resource: pinned by Ray node id
+            pg = placement_group([{"GPU": float(worker.gpus)}], strategy="STRICT_PACK", name=name,
+                                 lifetime="detached", bundle_label_selector=[{"ray.io/node-id": info.ray_node_id}])
+        else:
+            pg = placement_group([{"GPU": float(worker.gpus), f"relocator_node:{node}": 0.001}],
+                                 strategy="STRICT_PACK", name=name, lifetime="detached")
         try:
             ray.get(pg.ready(), timeout=timeout)
             return bundle_gpu_ids(pg, worker.gpus, timeout)

@@ -167,7 +167,7 @@ class Controller:
         with self._lock:
             if refresh or time.monotonic() - self._nodes_at > 1.0:
                 known = {d["ray_node_id"]: d["id"] for d in self.store.all("node")}
-                self._nodes = ray_nodes(known)
+                self._nodes = ray_nodes(known, self.config.get("node_names"))
                 for n in self._nodes.values():  # remembered: Ray lists a dead node without its name
                     if n.alive and known.get(n.ray_node_id) != n.id:
                         self.store.put("node", n.ray_node_id, {"id": n.id, "ray_node_id": n.ray_node_id})
@@ -1192,14 +1192,18 @@ class Controller:
         return out
 
 
-def start_controller(config: dict[str, Any]):
-    """The controller actor, created (detached, restarted by Ray if it dies) or found."""
+def start_controller(config: dict[str, Any], ray_node_id: str | None = None):
+    """The controller actor, created (detached, restarted by Ray if it dies) or found; on the
+    head node, or on `ray_node_id` (`relocator deploy`'s `controller.node`)."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     # Pinned to the head node, like Ray Serve's controller: the cluster lives and dies with the
     # head (GCS) anyway, and a controller on a node that is lost would linger a moment next to
     # the copy Ray restarts elsewhere (seen: two controllers replacing one lost worker twice).
     return ray.remote(Controller).options(
         name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-        max_restarts=-1, max_concurrency=64, num_cpus=0, resources={"node:__internal_head__": 0.001},
+        max_restarts=-1, max_concurrency=64, num_cpus=0,
+        **({"scheduling_strategy": NodeAffinitySchedulingStrategy(ray_node_id, soft=False)} if ray_node_id
+           else {"resources": {"node:__internal_head__": 0.001}}),
     ).remote(config)

@@ -81,9 +81,11 @@ def local_gpus() -> list[GpuFact]:
             pass
 
 
-def ray_nodes(known: dict[str, str] | None = None) -> dict[str, NodeInfo]:
+def ray_nodes(known: dict[str, str] | None = None, named: dict[str, str] | None = None) -> dict[str, NodeInfo]:
     """The relocator nodes of the connected Ray cluster, by name. Ray lists a dead node without
-    its resources: `known` ({ray node id: name}, what was seen before) names it, as lost."""
+    its resources: `known` ({ray node id: name}, what was seen before) names it, as lost.
+    `named` ({ray node id: name}): nodes of a deployed cluster (`relocator deploy`), which carry
+    no `relocator_node:` resource; told apart by Ray node id, alive or lost."""
     import ray
     from ray._private import state
 
@@ -95,6 +97,8 @@ def ray_nodes(known: dict[str, str] | None = None) -> dict[str, NodeInfo]:
     out: dict[str, NodeInfo] = {}
     for n in ray.nodes():
         names = [k[len(NODE_RESOURCE):] for k in n.get("Resources", {}) if k.startswith(NODE_RESOURCE)]
+        if not names and n["NodeID"] in (named or {}):
+            names = [named[n["NodeID"]]]
         if not names and not n["Alive"] and n["NodeID"] in (known or {}):
             name = known[n["NodeID"]]
             if name not in out:  # a live node of that name (re-added) wins

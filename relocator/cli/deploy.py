@@ -1,0 +1,74 @@
+"""`relocator deploy | undeploy`: relocator on an existing (multi-host) Ray cluster."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from relocator.cli import app
+from relocator.cli.common import console, err, fail, handle_errors, print_json
+
+ADDRESS = typer.Option(..., "--address", "-a", help="the Ray cluster: ray://HEAD:10001 (Ray Client, from "
+                       "anywhere) or HEAD:6379 / auto (from one of its nodes)")
+
+
+def _preflight_table(report: dict) -> Table:
+    t = Table(title="preflight, per host")
+    for c in ("host", "ok", "hostname", "ip", "kernel", "criu", "cell subnet", "GPUs (Ray/real)", "failed"):
+        t.add_column(c)
+    for name, r in sorted(report.items()):
+        t.add_row(name, "[green]yes[/]" if r["ok"] else "[red]no[/]", str(r.get("hostname")), str(r.get("ip")),
+                  str(r.get("kernel")), str(r.get("criu")), str(r.get("cell_pool")),
+                  f"{r.get('ray_gpus')}/{r.get('real_gpus')}", "; ".join(r.get("failed") or []))
+    return t
+
+
+@app.command("deploy")
+@handle_errors
+def deploy_cmd(address: str = ADDRESS,
+               config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML (default configs/deploy.yaml)"),
+               json_out: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
+    """Start the controller, one agent per node with the `relocator` resource, and the router on a
+    Ray cluster that already runs; the preflight runs on every host first (docs/deploy.md)."""
+    from relocator.deploy import DeployConfig, DeployError, deploy
+
+    cfg = DeployConfig.load(config)
+    try:
+        out = deploy(address, cfg)
+    except DeployError as exc:
+        if exc.report:  # which host failed what, then the one-line error
+            if json_out:
+                print_json({"deployed": False, "error": str(exc), "preflight": exc.report})
+            else:
+                err.print(_preflight_table(exc.report))
+        fail(str(exc), 1)
+    if json_out:
+        print_json(out)
+        return
+    console.print(_preflight_table(out["preflight"]))
+    console.print(f"[green]deployed[/] {out['id']} in {out['deploy_s']:.1f}s: {len(out['nodes'])} host(s), "
+                  f"controller on {out['controller_node']['hostname']}, router {out['router_url']}, "
+                  f"transfer {out['transfer']}")
+
+
+@app.command("undeploy")
+@handle_errors
+def undeploy_cmd(address: str = ADDRESS,
+                 json_out: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
+    """Remove what `deploy` started: workers and their reservations, controller, router, agents,
+    and the deployment's directory on every host."""
+    from relocator.deploy import undeploy
+
+    out = undeploy(address)
+    if json_out:
+        print_json(out)
+        return
+    if not out["undeployed"]:
+        console.print(out["reason"])
+        return
+    console.print(f"[green]undeployed[/] {out['id']}: actors {', '.join(out['killed_actors']) or 'none'}; "
+                  f"hosts cleaned: {', '.join(sorted(out['hosts']))}")
+    for e in out["errors"]:
+        console.print(f"[yellow]{e}[/]")

@@ -1,0 +1,269 @@
+"""`deploy` and `undeploy`: relocator on a Ray cluster that someone else runs.
+
+deploy: pick the nodes (those with the `relocator` resource), name them (hostname, told apart by
+Ray node id), run the preflight on every one of them (a task pinned to the node: its own kernel,
+CRIU, tools, state dir, cell subnet, real GPUs) plus the checks across hosts, then start the
+router (an actor on the controller's node) and the controller (named, detached), which starts one
+agent per node. Everything started is recorded in Ray's internal KV under one deployment id, so
+`undeploy` removes exactly that: the workers and their reservations (the controller's shutdown),
+the controller, the router, the agents, and the deployment's directory on every host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from relocator.agent.agent import NAMESPACE, agent_name
+from relocator.deploy.config import DeployConfig
+
+KV_KEY = b"relocator/deployment"
+PROBE_TIMEOUT_S = 180.0
+
+
+class DeployError(RuntimeError):
+    """Deploy refused or failed; `report` holds the per-host preflight when there is one."""
+
+    def __init__(self, message: str, report: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.report = report or {}
+
+
+def init_ray(address: str) -> None:
+    """Attach to the cluster at `address`: `ray://HOST:10001` (Ray Client, from anywhere) or
+    `HOST:6379` / `auto` (from a node of the cluster)."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():
+        return
+    kw: dict[str, Any] = {"namespace": NAMESPACE, "logging_level": "error"}
+    if not address.startswith("ray://"):
+        kw["log_to_driver"] = False
+    ray.init(address=address, **kw)
+
+
+def _kv_get() -> dict[str, Any] | None:
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get(KV_KEY, namespace=NAMESPACE)
+    return json.loads(raw) if raw else None
+
+
+def _kv_put(record: dict[str, Any] | None) -> None:
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_put
+
+    if record is None:
+        _internal_kv_del(KV_KEY, namespace=NAMESPACE)
+    else:
+        _internal_kv_put(KV_KEY, json.dumps(record), overwrite=True, namespace=NAMESPACE)
+
+
+def deployment(address: str | None = None) -> dict[str, Any] | None:
+    """The current deployment's record (None: nothing deployed)."""
+    if address:
+        init_ray(address)
+    return _kv_get()
+
+
+def _actor(name: str):
+    import ray
+
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def _pinned(fn, node_id: str):
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return ray.remote(fn).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+
+
+def _pick_controller_node(nodes: list[dict[str, Any]], names: dict[str, str], want: str | None) -> dict[str, Any]:
+    if want is None:
+        head = [n for n in nodes if "node:__internal_head__" in n.get("Resources", {})]
+        if not head:
+            raise DeployError("no head node in Ray's node table")
+        return head[0]
+    for n in nodes:
+        if want in (n["NodeID"], n.get("NodeManagerAddress"), n.get("NodeManagerHostname"), names.get(n["NodeID"])):
+            return n
+    raise DeployError(f"controller.node {want!r} matches no live node (hostname, IP or Ray node id)")
+
+
+def preflight(nodes: dict[str, dict[str, Any]], cfg: DeployConfig, base_dir: str,
+              marker: str | None) -> dict[str, dict[str, Any]]:
+    """Every selected host's report and verdict: {name: {ok, failed, warnings, hostname, ...}}."""
+    import ray
+
+    from relocator.deploy import hosts
+
+    refs = {name: _pinned(hosts.probe, n["NodeID"]).remote(base_dir, marker) for name, n in nodes.items()}
+    reports: dict[str, dict[str, Any]] = {}
+    for name, ref in refs.items():
+        try:
+            reports[name] = ray.get(ref, timeout=PROBE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - a host that cannot run the probe fails it
+            reports[name] = {"checks": [{"name": "probe", "ok": False, "detail": f"{type(exc).__name__}: {exc}"}],
+                             "cell_pool": "", "cell_routes": []}
+    gpu_counts = {name: int(n.get("Resources", {}).get("GPU", 0)) for name, n in nodes.items()}
+    extra = hosts.cross_checks(reports, gpu_counts, fake_gpus=cfg.nodes.fake_gpus,
+                               shared=cfg.controller.transfer.value == "shared")
+    out = {}
+    for name, r in reports.items():
+        n = nodes[name]
+        out[name] = {**hosts.summarize(r, extra.get(name, [])), "ray_node_id": n["NodeID"],
+                     "ip": n.get("NodeManagerAddress"), "ray_gpus": gpu_counts[name],
+                     **{k: r.get(k) for k in ("hostname", "kernel", "criu", "cell_pool", "cell_routes", "boot_id")},
+                     "real_gpus": len(r.get("gpus") or [])}
+    return out
+
+
+def deploy(address: str, config: DeployConfig | str | Path | None = None) -> dict[str, Any]:
+    """Start relocator on the Ray cluster at `address`; returns the deployment's record with the
+    per-host preflight. Refuses (DeployError) when something is deployed already, no node has
+    the resource, or a host fails its preflight (unless `allow_failed_preflight`)."""
+    import ray
+
+    cfg = config if isinstance(config, DeployConfig) else DeployConfig.load(config)
+    t0 = time.monotonic()
+    init_ray(address)
+    from relocator.controller.controller import CONTROLLER_NAME, start_controller
+    from relocator.deploy import hosts
+    from relocator.deploy.routeractor import ROUTER_ACTOR, start_router
+
+    old = _kv_get()
+    if old is not None:
+        if _actor(CONTROLLER_NAME) is not None:
+            raise DeployError(f"relocator is deployed on this cluster already (deployment {old['id']}); "
+                              "`relocator undeploy` first")
+        _kv_put(None)  # a record whose controller is gone (cluster restarted): stale
+    if _actor(CONTROLLER_NAME) is not None:
+        raise DeployError("a relocator controller runs on this cluster but was not started by deploy "
+                          "(a local cluster?); stop it first")
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    selected = [n for n in alive if n.get("Resources", {}).get(cfg.nodes.resource, 0) > 0]
+    if not selected:
+        raise DeployError(f"no live node has the {cfg.nodes.resource!r} resource (start the raylets with "
+                          f"`ray start --resources '{{\"{cfg.nodes.resource}\": 1}}'`)")
+    names = hosts.name_nodes(selected, cfg.nodes.names)
+    ctl_node = _pick_controller_node(alive, names, cfg.controller.node)
+    dep_id = f"d{uuid.uuid4().hex[:8]}"
+    base = str(Path(cfg.base_dir) / dep_id)
+    marker = None
+    if cfg.controller.transfer.value == "shared":
+        marker = uuid.uuid4().hex
+        ray.get(_pinned(hosts.write_marker, ctl_node["NodeID"]).remote(base, marker), timeout=60)
+    by_name = {names[n["NodeID"]]: n for n in selected}
+    report = preflight(by_name, cfg, base, marker)
+    preflight_s = time.monotonic() - t0
+    bad = {h: r["failed"] for h, r in report.items() if not r["ok"]}
+    if bad and not cfg.allow_failed_preflight:
+        for n in {**by_name, "_ctl": ctl_node}.values():  # the probes' directories
+            ray.get(_pinned(hosts.remove_dir, n["NodeID"]).remote(base), timeout=60)
+        lines = "; ".join(f"{h}: {', '.join(f)}" for h, f in sorted(bad.items()))
+        raise DeployError(f"preflight failed on {len(bad)} of {len(report)} host(s): {lines}", report)
+    record: dict[str, Any] = {
+        "id": dep_id, "address": address, "base_dir": base, "started_at": time.time(),
+        "nodes": {name: {"ray_node_id": n["NodeID"], "ip": n.get("NodeManagerAddress"),
+                         "hostname": n.get("NodeManagerHostname")} for name, n in sorted(by_name.items())},
+        "controller_node": {"ray_node_id": ctl_node["NodeID"], "ip": ctl_node.get("NodeManagerAddress"),
+                            "hostname": ctl_node.get("NodeManagerHostname")},
+        "actors": [CONTROLLER_NAME, ROUTER_ACTOR, *[agent_name(n) for n in sorted(by_name)]],
+        "transfer": cfg.controller.transfer.value,
+    }
+    _kv_put(record)  # before anything starts: an undeploy after a failure here finds it all
+    try:
+        router = start_router(ctl_node["NodeID"], cfg.router.host or ctl_node["NodeManagerAddress"],
+                              cfg.router.port, cfg.router.control_port, cfg.router.control_token,
+                              str(Path(base) / "router"))
+        rinfo = ray.get(router.info.remote(), timeout=120)
+        ctl_cfg = cfg.controller.model_dump(mode="json", exclude={"node"})
+        ctl = start_controller({"base_dir": base, "router_url": rinfo["router_url"],
+                                "router_control_url": rinfo["router_control_url"],
+                                "router_token": cfg.router.control_token,
+                                "node_names": {n["NodeID"]: name for name, n in by_name.items()}, **ctl_cfg},
+                               ray_node_id=ctl_node["NodeID"] if cfg.controller.node else None)
+        ray.get(ctl.ping.remote(), timeout=300)
+        agents = {}
+        for name in sorted(by_name):
+            a = _actor(agent_name(name))
+            agents[name] = ray.get(a.ping.remote(), timeout=120) if a is not None else None
+        missing = [n for n, a in agents.items() if a is None]
+        if missing:
+            raise DeployError(f"no agent came up on {', '.join(missing)}")
+    except BaseException:
+        try:
+            undeploy(address)
+        except Exception:  # noqa: BLE001 - the first error is the one to report
+            pass
+        raise
+    record.update({"router_url": rinfo["router_url"], "router_control_url": rinfo["router_control_url"],
+                   "agents": {n: {"pid": a["pid"], "state_dir": a["state_dir"]} for n, a in agents.items()}})
+    _kv_put(record)
+    return {**record, "preflight": report, "preflight_s": round(preflight_s, 3),
+            "deploy_s": round(time.monotonic() - t0, 3)}
+
+
+def undeploy(address: str, timeout: float = 180.0) -> dict[str, Any]:
+    """Remove what `deploy` started on the cluster at `address` and nothing else."""
+    import ray
+
+    init_ray(address)
+    from relocator.controller.controller import CONTROLLER_NAME
+    from relocator.deploy import hosts
+    from relocator.deploy.routeractor import ROUTER_ACTOR
+
+    record = _kv_get()
+    if record is None:
+        return {"undeployed": False, "reason": "nothing deployed on this cluster"}
+    out: dict[str, Any] = {"undeployed": True, "id": record["id"], "errors": [], "killed_actors": [], "hosts": {}}
+    ctl = _actor(CONTROLLER_NAME)
+    if ctl is not None:
+        try:
+            out["workers"] = ray.get(ctl.shutdown.remote(), timeout=timeout)
+        except Exception as exc:  # noqa: BLE001
+            out["errors"].append(f"controller shutdown: {type(exc).__name__}: {exc}")
+    router = _actor(ROUTER_ACTOR)
+    if router is not None:
+        try:
+            ray.get(router.stop.remote(), timeout=60)
+        except Exception as exc:  # noqa: BLE001
+            out["errors"].append(f"router stop: {type(exc).__name__}: {exc}")
+    for name in record["actors"]:
+        a = _actor(name)
+        if a is not None:
+            ray.kill(a, no_restart=True)
+            out["killed_actors"].append(name)
+    # the reservations of the deployment's workers, if the controller could not free them
+    try:
+        from ray.util import placement_group_table, remove_placement_group
+        from ray.util.placement_group import get_placement_group
+
+        for pg in placement_group_table().values():
+            if pg.get("name", "").startswith("relocator-") and pg.get("state") != "REMOVED":
+                remove_placement_group(get_placement_group(pg["name"]))
+                out.setdefault("freed_reservations", []).append(pg["name"])
+    except Exception as exc:  # noqa: BLE001
+        out["errors"].append(f"reservations: {type(exc).__name__}: {exc}")
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    targets = {**{name: n["ray_node_id"] for name, n in record["nodes"].items()},
+               "controller": record["controller_node"]["ray_node_id"]}
+    refs = {name: _pinned(hosts.remove_dir, nid).remote(record["base_dir"])
+            for name, nid in targets.items() if nid in alive}
+    for name, ref in refs.items():
+        try:
+            out["hosts"][name] = ray.get(ref, timeout=120)
+        except Exception as exc:  # noqa: BLE001
+            out["errors"].append(f"{name}: {type(exc).__name__}: {exc}")
+    for name in set(targets) - set(refs):
+        out["hosts"][name] = {"lost": True}
+    _kv_put(None)
+    return out
