@@ -30,11 +30,12 @@ import asyncio
 import json
 import logging
 import os
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from litellm.llms.custom_llm import CustomLLM, CustomLLMError
 from litellm.types.utils import GenericStreamingChunk, ModelResponse
 
+from relocator.gateways.litellm_codec import StreamError, chunk_of, request_body, sse_events
 from relocator.router.config import RouterSettings
 from relocator.router.control import ControlAPI, serve_app
 from relocator.router.core import Stream
@@ -43,78 +44,9 @@ from relocator.router.runtime import RouterRuntime
 
 log = logging.getLogger(__name__)
 
-#: OpenAI request fields LiteLLM hands a custom provider in `optional_params` that are passed on
-#: as they are (anything else LiteLLM put there is LiteLLM's own bookkeeping)
-_DROP = {"stream", "litellm_session_id", "litellm_call_id", "extra_body", "extra_headers",
-         "api_base", "api_key", "metadata"}
-
-
 def _settings() -> RouterSettings:
     path = os.environ.get("RELOCATOR_GATEWAY_CONFIG")
     return RouterSettings.load(path) if path else RouterSettings()
-
-
-def request_body(model: str, messages: list, optional_params: dict, stream: bool) -> bytes:
-    """The OpenAI chat request the core sees, from what LiteLLM passes a custom provider."""
-    body: dict[str, Any] = {"model": model, "messages": messages}
-    for k, v in optional_params.items():
-        if k not in _DROP and v is not None:
-            body[k] = v
-    extra = optional_params.get("extra_body")
-    if isinstance(extra, dict):  # e.g. ignore_eos, min_tokens: vLLM's own sampling fields
-        body.update(extra)
-    if stream:
-        body["stream"] = True
-        # usage in the last chunk: LiteLLM reports it (and bills by it)
-        opts = body.get("stream_options")
-        body["stream_options"] = {**(opts if isinstance(opts, dict) else {}),
-                                  "include_usage": True}
-    return json.dumps(body).encode()
-
-
-def chunk_of(event: dict) -> GenericStreamingChunk | None:
-    """One OpenAI chat.completion.chunk as LiteLLM's generic chunk (None: nothing in it)."""
-    usage = event.get("usage")
-    choices = event.get("choices") or []
-    if not choices:
-        if not usage:
-            return None
-        return GenericStreamingChunk(text="", is_finished=False, finish_reason="", index=0,
-                                     tool_use=None, usage=_usage(usage))
-    ch = choices[0]
-    delta = ch.get("delta") or {}
-    finish = ch.get("finish_reason")
-    return GenericStreamingChunk(text=delta.get("content") or "", tool_use=None,
-                                 is_finished=bool(finish), finish_reason=finish or "",
-                                 usage=_usage(usage) if usage else None,
-                                 index=ch.get("index", 0))
-
-
-def _usage(u: dict) -> dict:
-    return {"prompt_tokens": u.get("prompt_tokens", 0),
-            "completion_tokens": u.get("completion_tokens", 0),
-            "total_tokens": u.get("total_tokens", 0)}
-
-
-async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[dict]:
-    """The JSON events of the core's stream (it yields whole events only); `[DONE]` ends it,
-    an error event (`continuation_failed`, `worker_unreachable`, ...) is raised."""
-    buf = b""
-    async for data in chunks:
-        buf += data
-        while b"\n\n" in buf:
-            ev, buf = buf.split(b"\n\n", 1)
-            if not ev.startswith(b"data: "):
-                continue
-            payload = ev[6:]
-            if payload == b"[DONE]":
-                return
-            obj = json.loads(payload)
-            if "error" in obj and "choices" not in obj:
-                err = obj["error"]
-                raise CustomLLMError(status_code=err.get("status", 502) if isinstance(
-                    err.get("status"), int) else 502, message=err.get("message", str(err)))
-            yield obj
 
 
 class RelocatorLLM(CustomLLM):
@@ -197,7 +129,9 @@ class RelocatorLLM(CustomLLM):
             async for event in sse_events(gen):
                 c = chunk_of(event)
                 if c is not None:
-                    yield c
+                    yield GenericStreamingChunk(**c)  # type: ignore[typeddict-item]
+        except StreamError as e:  # the core's error event (continuation_failed, ...)
+            raise CustomLLMError(status_code=e.status, message=e.message) from None
         finally:
             await gen.aclose()  # type: ignore[attr-defined]  # closes the upstream request
 

@@ -1,0 +1,120 @@
+"""The LiteLLM plugin (relocator.gateways.litellm) in a real LiteLLM proxy (the pinned release
+in .venv-gateway) in front of two real vLLM CPU workers, with the official openai client.
+
+A move is what the worker's clients see of it (relocator.bench.moveproxy): the controller's
+HOLD through the plugin's control API, the source frozen as by a CRIU dump, SWITCH to the
+copy's endpoint (here the second vLLM server, same weights: greedy output is identical), then
+the source killed (RELEASE). The plugin runs the router core in LiteLLM's process, so its streams
+are continued token-exactly on the copy and requests that arrive during the hold wait."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from relocator.bench.moveproxy import MoveProxy
+from relocator.gateways.litellm_proxy import LITELLM_VERSION, LiteLLMProxy, available, plugin_config
+from relocator.local_worker import free_port
+from relocator.router.client import RouterControl
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session")]
+
+N = 600  # tokens per stream
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _need_litellm():
+    why = available()
+    if why:
+        pytest.skip(why)
+
+
+def _proxy(tmp_path, model, url, tokenizer):
+    cport = free_port()
+    cfg = tmp_path / "relocator-gateway.yaml"
+    cfg.write_text(json.dumps({"control_port": cport, "hold_timeout_s": 120,
+                               "backends": [{"model": model, "url": url, "worker_id": "w0",
+                                             "tokenizer": str(tokenizer)}]}))
+    p = LiteLLMProxy(plugin_config([model]), tmp_path, free_port(),
+                     env={"RELOCATOR_GATEWAY_CONFIG": str(cfg)})
+    return p, f"http://127.0.0.1:{cport}"
+
+
+async def _stream(client, model, prompt, progress=None):
+    st = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=N,
+        temperature=0, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True})
+    text, usage = "", None
+    async for c in st:
+        if c.choices:
+            text += c.choices[0].delta.content or ""
+            if progress is not None:
+                progress[prompt] = progress.get(prompt, 0) + 1
+        if c.usage:
+            usage = c.usage
+    return text, usage
+
+
+def test_pinned_litellm_installed():
+    from importlib.metadata import version
+
+    import subprocess
+
+    from relocator.gateways.litellm_proxy import gateway_python
+
+    out = subprocess.run([str(gateway_python()), "-c",
+                          "from importlib.metadata import version; print(version('litellm'))"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == LITELLM_VERSION
+    assert version("openai")  # the client side lives in .venv
+
+
+async def test_move_under_streaming_load_through_litellm(vllm_server, vllm_server_b,
+                                                         tiny_model_dir, tmp_path):
+    import openai
+
+    model = vllm_server.model
+    prompts = [f"relocate worker {i} while it streams" for i in range(6)]
+    late = [f"a request that arrives during the hold {i}" for i in range(2)]
+    direct = openai.AsyncOpenAI(base_url=vllm_server_b.base_url + "/v1", api_key="x",
+                                max_retries=0)
+    ref = dict(zip(prompts + late, await asyncio.gather(
+        *[_stream(direct, model, p) for p in prompts + late])))
+    await direct.close()
+
+    mp = await MoveProxy(vllm_server.base_url).start()
+    proxy, control = _proxy(tmp_path, model, mp.url, tiny_model_dir)
+    await asyncio.to_thread(proxy.start)
+    client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=proxy.key, max_retries=0,
+                                timeout=300)
+    rc = RouterControl(control)
+    try:
+        progress: dict[str, int] = {}
+        first = [asyncio.ensure_future(_stream(client, model, p, progress)) for p in prompts]
+        while len(progress) < len(prompts) or min(progress.values()) < 3:
+            await asyncio.sleep(0.02)  # every stream is under way on the source
+        await rc.hold("w0")                                            # HOLD
+        mp.freeze()                                                    # DUMP
+        second = [asyncio.ensure_future(_stream(client, model, p)) for p in late]
+        await asyncio.sleep(0.5)
+        early = [t.exception() for t in second if t.done()]
+        assert not early, (early, proxy.tail())  # they wait for the switch
+        held = (await rc.replicas())["models"][model][0]
+        info = await rc.switch("w0", vllm_server_b.base_url)            # SWITCH
+        mp.kill()                                                      # RELEASE
+        got = await asyncio.wait_for(asyncio.gather(*first, *second), 300)
+    finally:
+        await rc.close()
+        await client.close()
+        proxy.stop()
+        await mp.close()
+    assert info["moved_streams"] >= 3, info  # streams cut mid-way and continued
+    assert held["state"] == "held"
+    for p, (text, usage) in zip(prompts + late, got):
+        want_text, want_usage = ref[p]
+        assert text == want_text, (p, text[:80], want_text[:80])  # nothing lost or repeated
+        assert usage.completion_tokens == want_usage.completion_tokens == N
+        assert usage.prompt_tokens == want_usage.prompt_tokens
