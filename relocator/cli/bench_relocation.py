@@ -19,18 +19,26 @@ MODEL = "tiny-llama"
 
 
 def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode = TransferMode.SHARED,
-              base_dir: str = "/var/lib/relocator/bench", engine: str = DEFAULT_ENGINE) -> dict:
+              base_dir: str = "/var/lib/relocator/bench", engine: str = DEFAULT_ENGINE, emulate_hosts: int = 0) -> dict:
     import relocator
     from relocator.cluster.scenario import relocate_under_load
     from relocator.cluster.streams import first_token_s
 
-    ctl = relocator.start(nodes=2, gpus_per_node=4, base_dir=base_dir)
+    if emulate_hosts:  # emulated hosts (docs/deploy.md): h1 runs the controller and router; h2 -> h3
+        if emulate_hosts < 3:
+            raise ValueError("--emulate-hosts needs 3 hosts or more (the move goes between two hosts that "
+                             "do not run the router)")
+        ctl = relocator.start(emulate_hosts=emulate_hosts, gpus_per_node=4, base_dir=base_dir)
+        src, dst = "h2", "h3"
+    else:
+        ctl = relocator.start(nodes=2, gpus_per_node=4, base_dir=base_dir)
+        src, dst = "n1", "n2"
     try:
         t = time.monotonic()
-        w = ctl.launch(MODEL, 2, "n1", engine=engine)
+        w = ctl.launch(MODEL, 2, src, engine=engine)
         ttft = first_token_s(ctl.router_url, MODEL)
         cold = time.monotonic() - t
-        res = relocate_under_load(ctl, w["id"], "n2", MODEL, concurrency=streams, max_tokens=max_tokens,
+        res = relocate_under_load(ctl, w["id"], dst, MODEL, concurrency=streams, max_tokens=max_tokens,
                                   transfer=transfer)
     finally:
         ctl.down()
@@ -49,6 +57,8 @@ def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode = 
         "result": rel["result"], "client_max_gap_s": [c["max_gap_s"] for c in load["clients"]],
         "engine": engine,
     }
+    if emulate_hosts:
+        out.update({"emulated_hosts": emulate_hosts, "moved": f"{src} -> {dst}"})
     return out
 
 
@@ -60,9 +70,12 @@ def bench_relocation(json_out: bool = typer.Option(False, "--json", help="print 
                      transfer: TransferMode = typer.Option(TransferMode.SHARED,
                                                            help="stream: agent to agent, checksummed"),
                      cluster_dir: str = typer.Option("/var/lib/relocator/bench", "--cluster-dir"),
-                     engine: Engine = typer.Option(Engine(DEFAULT_ENGINE), help="the worker's engine")) -> None:
+                     engine: Engine = typer.Option(Engine(DEFAULT_ENGINE), help="the worker's engine"),
+                     emulate_hosts: int = typer.Option(0, "--emulate-hosts", min=0, max=15,
+                                                       help="on N emulated hosts (own network and mount "
+                                                       "namespaces, nothing shared; 3 or more), not the local cluster")) -> None:
     """Blackout, phases and token check of one live relocation vs a cold start."""
-    out = run_bench(streams, max_tokens, transfer, cluster_dir, engine.value)
+    out = run_bench(streams, max_tokens, transfer, cluster_dir, engine.value, emulate_hosts)
     if json_out:
         print_json(out)
         return

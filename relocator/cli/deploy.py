@@ -29,6 +29,9 @@ def _preflight_table(report: dict) -> Table:
 @handle_errors
 def deploy_cmd(address: str = ADDRESS,
                config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML (default configs/deploy.yaml)"),
+               cluster_dir: Optional[str] = typer.Option(None, "--cluster-dir", help="also describe the deployment "
+                                                         "there (cluster.json), so that `relocator status|launch|"
+                                                         "relocate ... --cluster-dir DIR` reach it"),
                json_out: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Start the controller, one agent per node with the `relocator` resource, and the router on a
     Ray cluster that already runs; the preflight runs on every host first (docs/deploy.md)."""
@@ -44,6 +47,10 @@ def deploy_cmd(address: str = ADDRESS,
             else:
                 err.print(_preflight_table(exc.report))
         fail(str(exc), 1)
+    if cluster_dir:
+        from relocator.cluster.local import write_deployed
+
+        write_deployed(cluster_dir, out)
     if json_out:
         print_json(out)
         return
@@ -56,12 +63,18 @@ def deploy_cmd(address: str = ADDRESS,
 @app.command("undeploy")
 @handle_errors
 def undeploy_cmd(address: str = ADDRESS,
+                 cluster_dir: Optional[str] = typer.Option(None, "--cluster-dir", help="where deploy described it"),
                  json_out: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Remove what `deploy` started: workers and their reservations, controller, router, agents,
     and the deployment's directory on every host."""
     from relocator.deploy import undeploy
 
     out = undeploy(address)
+    if cluster_dir:
+        from relocator.cluster.local import info_path, read_info
+
+        if (read_info(cluster_dir) or {}).get("deployed"):
+            info_path(cluster_dir).unlink(missing_ok=True)
     if json_out:
         print_json(out)
         return

@@ -47,7 +47,21 @@ def read_info(base_dir: str | Path) -> dict[str, Any] | None:
         return None
 
 
+def write_deployed(base_dir: str | Path, record: dict[str, Any]) -> None:
+    """Describe a deployment (`relocator deploy --cluster-dir`) like a local cluster, so that
+    `connect(base_dir)` and the CLI's --cluster-dir reach it; `down` then undeploys it."""
+    base = Path(base_dir)
+    base.mkdir(parents=True, exist_ok=True)
+    info = {"deployed": record["id"], "address": record["address"], "router_url": record["router_url"],
+            "base_dir": str(base), "nodes": sorted(record["nodes"])}
+    tmp = base / "cluster.json.tmp"
+    tmp.write_text(json.dumps(info, indent=2))
+    os.replace(tmp, info_path(base))
+
+
 def _alive(pid: int) -> bool:
+    if pid <= 0:  # never a process group or "every process"
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -110,6 +124,12 @@ def down(base_dir: str | Path | None = None, timeout: float = 90.0) -> dict[str,
         from relocator.cluster.emulated import down_emulated
 
         return down_emulated(base, info)
+    if info.get("deployed"):  # `relocator deploy --cluster-dir`: the Ray cluster is not ours to stop
+        from relocator.deploy import undeploy
+
+        out = undeploy(info["address"])
+        info_path(base).unlink(missing_ok=True)
+        return {"stopped": True, "undeploy": out}
     pid = int(info.get("daemon_pid", -1))
     out: dict[str, Any] = {"stopped": True, "daemon_pid": pid, "forced": []}
     if _alive(pid):

@@ -1,0 +1,112 @@
+"""The emulated-hosts scenario, run as its own process by tests/test_emulated_hosts.py (the test
+session may be attached to another Ray cluster; one process is attached to one).
+
+    python tests/emulated_scenario.py CLUSTER_DIR   # prints one JSON object
+
+On a cluster from `relocator up --emulate-hosts 3` (controller and router on h1): a worker on h2
+moved live to h3 under streaming load (`transfer: stream`), a move to h1 rolled back by an
+injected restore failure, host h3 lost under load (its raylet and cells killed), then undeploy
+and what deploy refuses on these hosts (`shared` transfer, fake GPUs not configured).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODEL = "tiny-llama"
+STREAMS = 4
+MAX_TOKENS = 128
+
+
+def _load_figures(res: dict) -> dict:
+    rel, load = res["relocation"], res["load"]
+    return {"result": rel["result"], "error": rel.get("error"), "rollback": rel.get("rollback"),
+            "phases": rel["phases"], "transfer": rel["transfer"], "image_bytes": rel.get("image_bytes"),
+            **{k: load[k] for k in ("tokens_lost", "tokens_duplicated", "tokens_mismatched", "text_mismatched",
+                                    "client_errors", "errors", "blackout_max_s", "requests")}}
+
+
+def _worker(ctl, wid: str) -> dict:
+    return next(w for w in ctl.status()["workers"] if w["id"] == wid)
+
+
+def node_loss(ctl, info: dict, wid: str, ref) -> dict:
+    """Host of `wid` dies under load: every process of its namespace and its cells, SIGKILLed."""
+    from relocator.cluster import emulate
+    from relocator.cluster.streams import Load
+
+    cluster = emulate.EmulatedCluster.from_dict(info["emulated"])
+    w = _worker(ctl, wid)
+    host = next(h for h in cluster.hosts if h.name == w["node"])
+    events = ctl.events(kinds=["node_lost", "replacement_finished"], idle_timeout=240)
+    load = Load(ctl.router_url, MODEL, ref, MAX_TOKENS, STREAMS).start()
+    time.sleep(2.0)
+    t_kill = time.monotonic()
+    killed = emulate.kill_host(host)
+    seen: dict = {}
+    for ev in events:
+        seen.setdefault(ev["kind"], (time.monotonic(), ev))
+        if ev["kind"] == "replacement_finished":
+            break
+    t_end = time.monotonic()
+    time.sleep(1.0)
+    load.stop()
+    rep = load.report(window=(t_kill, t_end))
+    detected = seen.get("node_lost", (None,))[0]
+    done = seen.get("replacement_finished", (None, {}))
+    after = _worker(ctl, wid)
+    return {"host": host.name, "killed_pids": len(killed["pids"]), "killed_cells": killed["cells"],
+            "detected_s": round(detected - t_kill, 3) if detected else None,
+            "serving_after_detection_s": round(done[0] - detected, 3) if detected and done[0] else None,
+            "replacement": done[1], "worker_after": {k: after[k] for k in ("node", "state", "endpoint")},
+            **{k: rep[k] for k in ("tokens_lost", "tokens_duplicated", "tokens_mismatched", "text_mismatched",
+                                   "client_errors", "errors", "blackout_max_s", "requests")}}
+
+
+def main(base: str) -> dict:
+    import ray
+
+    import relocator
+    from relocator.cluster.local import read_info
+    from relocator.cluster.scenario import relocate_under_load
+    from relocator.deploy import DeployConfig, DeployError, deploy, undeploy
+
+    info = read_info(base)
+    ctl = relocator.connect(base)
+    out: dict = {"nodes": {n["id"]: n["alive"] for n in ctl.status()["nodes"]}}
+    w = ctl.launch(MODEL, 2, "h2")
+    out["launch"] = {"node": w["node"], "endpoint": w["endpoint"]}
+    res = relocate_under_load(ctl, w["id"], "h3", MODEL, concurrency=STREAMS, max_tokens=MAX_TOKENS,
+                              transfer="stream", warmup_s=1.0)
+    out["move"] = {**_load_figures(res), "worker_after": {k: _worker(ctl, w["id"])[k] for k in ("node", "endpoint")}}
+    ref = res["reference"]
+    res = relocate_under_load(ctl, w["id"], "h1", MODEL, concurrency=STREAMS, max_tokens=MAX_TOKENS,
+                              transfer="stream", faults={"restore": True}, ref=ref, warmup_s=1.0)
+    out["rollback"] = {**_load_figures(res), "worker_after": {k: _worker(ctl, w["id"])[k] for k in ("node", "state")}}
+    out["node_loss"] = node_loss(ctl, info, w["id"], ref)
+    try:
+        deploy(info["address"], DeployConfig(nodes={"fake_gpus": True}))
+        out["second_deploy"] = "accepted"
+    except DeployError as exc:
+        out["second_deploy"] = str(exc)
+    out["undeploy"] = undeploy(info["address"])
+    out["named_actors_after"] = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                                 if a.get("namespace") == "relocator"]
+    for what, cfg in (("shared", DeployConfig(nodes={"fake_gpus": True}, controller={"transfer": "shared"})),
+                      ("fake_gpus", DeployConfig())):
+        try:
+            deploy(info["address"], cfg)
+            out[f"refused_{what}"] = None
+            undeploy(info["address"])
+        except DeployError as exc:
+            out[f"refused_{what}"] = {"error": str(exc), "failed": {h: r["failed"] for h, r in exc.report.items()}}
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1]), default=str))
