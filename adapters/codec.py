@@ -15,6 +15,15 @@ from typing import Any, Literal
 
 Kind = Literal["completions", "chat"]
 
+#: request fields carried from a chat request into its completions-style continuation
+CHAT_SAMPLING_KEYS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
+    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+    "logit_bias", "bad_words", "allowed_token_ids", "stream_options", "user", "priority",
+    "min_tokens", "truncate_prompt_tokens", "length_penalty",
+)
+
 
 @dataclass
 class Delta:
@@ -79,6 +88,51 @@ class ContinuationCodec:
         (an object with `replay(ids)`, `update(ids, stop_terminated)`, `next_text(finished)`,
         `held_back()`, `token_ids`); None: the router forwards the engine's own text."""
         return None
+
+    # An engine whose stream of some kind carries no token ids (SGLang's chat) can still be
+    # continued if the router sends that stream as a continuation from its first token: the
+    # prompt's ids come from the engine's own rendering (`prompt_ids_request`), the request
+    # goes out as `continuation_request(kind, body, prompt_ids, [])` and the router frames
+    # every chunk in the client's kind, as it does after a splice.
+    def translates(self, kind: Kind, body: dict) -> bool:
+        """True: stream this request as a continuation from the start."""
+        return False
+
+    def prompt_ids_request(self, kind: Kind, body: dict) -> tuple[str, dict] | None:
+        """(path, body) asking the engine for the prompt ids it would generate from."""
+        return None
+
+    def parse_prompt_ids(self, obj: dict) -> list[int]:
+        raise NotImplementedError
+
+
+def completions_continuation(kind: Kind, body: dict, prompt_ids: list[int], sent_ids: list[int],
+                             text_by_router: bool, drop: tuple[str, ...] = ()) -> dict:
+    """The OpenAI completions request (prompt given as ids, streamed, with token ids) that
+    generates what follows `sent_ids`: a completions body keeps its fields (minus `drop`), a
+    chat body gives its sampling fields (the chat template is already in `prompt_ids`);
+    max_tokens and min_tokens count what was already sent."""
+    if kind == "completions":
+        req = {k: v for k, v in body.items() if k not in drop}
+    else:
+        req = {"model": body["model"]}
+        for k in CHAT_SAMPLING_KEYS:
+            if k in body:
+                req[k] = body[k]
+        mt = body.get("max_completion_tokens", body.get("max_tokens"))
+        if mt is not None:
+            req["max_tokens"] = mt
+    if text_by_router:
+        req.pop("stop", None)
+    req["prompt"] = list(prompt_ids) + list(sent_ids)
+    req["stream"] = True
+    req["return_token_ids"] = True
+    n = len(sent_ids)
+    if req.get("max_tokens") is not None:
+        req["max_tokens"] = max(1, int(req["max_tokens"]) - n)
+    if req.get("min_tokens"):
+        req["min_tokens"] = max(0, int(req["min_tokens"]) - n)
+    return req
 
 
 def parse_ids(segments: list[bytes]) -> list[int]:

@@ -151,13 +151,26 @@ def test_codec_strips_and_scans_sglang_frames() -> None:
     assert c.scan(ev) == (b"89,77", [b"236"])
     stripped = c.strip(ev)
     assert b"token_ids" not in stripped and json.loads(stripped[6:])["choices"][0]["text"] == ""
-    assert c.unsupported_reason("chat", {}) and c.unsupported_reason("completions", {"stop": ["x"]})
+    assert c.unsupported_reason("chat", {"tools": [{"type": "function"}]}) and c.unsupported_reason("completions", {"stop": ["x"]})
+    assert c.unsupported_reason("chat", {"messages": []}) is None and c.translates("chat", {"messages": []})
+    assert not c.translates("completions", {}) and not c.translates("chat", {"stop": "x"})
+    path, req = c.prompt_ids_request("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                              "max_tokens": 9, "chat_template_kwargs": {"x": 1}})
+    assert path == "/v1/tokenize" and req == {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                              "chat_template_kwargs": {"x": 1}}
+    path, req = c.continuation_request("chat", {"model": "m", "messages": [], "max_completion_tokens": 9,
+                                                "temperature": 0, "ignore_eos": True}, [5, 6], [7])
+    assert path == "/v1/completions" and req == {"model": "m", "temperature": 0, "ignore_eos": True, "max_tokens": 8,
+                                                 "prompt": [5, 6, 7], "stream": True, "return_token_ids": True}
     assert c.unsupported_reason("completions", {"prompt": "x", "max_tokens": 3}) is None
 
 
 def test_router_continues_sglang_streams_text_exact(sglang_server: str, tiny_model_dir: Path) -> None:
     """Streams through the router, every upstream connection cut after a few KB: each stream is
-    continued again and again on SGLang; ids and text equal a direct run (issue 11/20)."""
+    continued again and again on SGLang; ids and text equal a direct run (issue 11/20). Chat
+    streams too: the router sends them as completions on SGLang's own rendering of the messages
+    (its chat stream carries no token ids) and frames them as chat; text and finish reason
+    equal SGLang's own chat stream."""
     import random
 
     import openai
@@ -182,10 +195,19 @@ def test_router_continues_sglang_streams_text_exact(sglang_server: str, tiny_mod
                                                  extra_body={"ignore_eos": True})
             return "".join([c.choices[0].text async for c in st if c.choices])
 
+        async def chat(client, prompt):
+            st = await client.chat.completions.create(
+                model="tiny-llama", messages=[{"role": "user", "content": prompt}], max_tokens=120,
+                temperature=0, stream=True, extra_body={"ignore_eos": True})
+            chunks = [c async for c in st]
+            assert chunks[0].choices[0].delta.role == "assistant"
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) + f"|{finish}"
+
         prompts = [f"weight model scheduler {i}" for i in range(6)]
         try:
-            want = [await text(direct, p) for p in prompts]
-            got = await asyncio.gather(*(text(via, p) for p in prompts))
+            want = [await text(direct, p) for p in prompts] + [await chat(direct, p) for p in prompts[:4]]
+            got = await asyncio.gather(*(text(via, p) for p in prompts), *(chat(via, p) for p in prompts[:4]))
             splices = {k: srv.hooks.splices.labels(k)._value.get()
                        for k in ("char", "clean", "engine_text")}
         finally:
@@ -197,7 +219,7 @@ def test_router_continues_sglang_streams_text_exact(sglang_server: str, tiny_mod
 
     want, got, splices = asyncio.run(go())
     print("sglang splices", splices)
-    diffs = [(p, a[:60], b[:60]) for p, a, b in zip(range(6), want, got) if a != b]
+    diffs = [(p, a[:60], b[:60]) for p, a, b in zip(range(10), want, got) if a != b]
     assert not diffs, (diffs, splices)
     assert splices["engine_text"] == 0 and splices["char"] + splices["clean"] >= 20, splices
 

@@ -3,17 +3,26 @@
 `/v1/completions` with `"return_token_ids": true` streams each chunk's new `token_ids` and, in
 the first chunk, `prompt_token_ids`; without it the keys are absent (vLLM writes `null`), so
 `strip` deletes them. A continuation is a completions request whose prompt is the ids (prompt +
-sent): token-exact, the prefix served from the radix cache (docs/sglang.md). Not continued:
-chat (SGLang's chat stream refuses `return_token_ids`, so the ids sent are unknown) and requests
-with stop strings (SGLang matches them in its scheduler on a decoded tail that a continuation
-would not see); a break of such a stream ends it with an explicit error event."""
+sent): token-exact, the prefix served from the radix cache (docs/sglang.md).
+
+Chat: SGLang's chat stream refuses `return_token_ids` (its `sglext` output ids come only at the
+end), so the ids sent would be unknown at a break. A chat stream is therefore sent as a
+continuation from its first token (`translates`): the prompt ids are SGLang's own rendering of
+the messages (`/v1/tokenize` with `messages` runs the chat endpoint's message processing and
+template), the request is a completions request on those ids, and the router frames every
+chunk as a chat chunk with text made by SGLang's algorithm (`outtext`); `return_token_ids`,
+which SGLang's chat stream refuses, is then served by the router (ids in each chunk, as vLLM
+does). Not continued (sent
+natively; a break ends the stream with an explicit error event): requests with stop strings
+(SGLang matches them in its scheduler on a decoded tail that a continuation would not see),
+chat with tools, structured output or logprobs."""
 
 from __future__ import annotations
 
 import re
 from typing import Any
 
-from adapters.codec import ContinuationCodec, Delta, Kind
+from adapters.codec import ContinuationCodec, Delta, Kind, completions_continuation
 
 
 class Codec(ContinuationCodec):
@@ -23,7 +32,10 @@ class Codec(ContinuationCodec):
 
     def unsupported_reason(self, kind: Kind, body: dict) -> str | None:
         if kind == "chat":
-            return "chat on SGLang (its chat stream carries no token ids)"
+            for k in ("tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs",
+                      "return_prompt_token_ids", "continue_final_message"):
+                if body.get(k):
+                    return f"{k} in a chat request on SGLang"
         if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1:
             return "n > 1 / best_of > 1"
         p = body.get("prompt")
@@ -61,20 +73,26 @@ class Codec(ContinuationCodec):
     def continuation_request(self, kind: Kind, body: dict, prompt_ids: list[int],
                              sent_ids: list[int], *, text_by_router: bool = False
                              ) -> tuple[str, dict]:
-        req = dict(body)
-        for k in ("echo", "suffix", "messages"):
-            req.pop(k, None)
-        if text_by_router:
-            req.pop("stop", None)
-        req["prompt"] = list(prompt_ids) + list(sent_ids)
-        req["stream"] = True
-        req["return_token_ids"] = True
-        n = len(sent_ids)
-        if req.get("max_tokens") is not None:
-            req["max_tokens"] = max(1, int(req["max_tokens"]) - n)
-        if req.get("min_tokens"):
-            req["min_tokens"] = max(0, int(req["min_tokens"]) - n)
-        return "/v1/completions", req
+        return "/v1/completions", completions_continuation(kind, body, prompt_ids, sent_ids, text_by_router,
+                                                           drop=("echo", "suffix"))
+
+    def translates(self, kind: Kind, body: dict) -> bool:
+        return kind == "chat" and self.unsupported_reason(kind, body) is None
+
+    def prompt_ids_request(self, kind: Kind, body: dict) -> tuple[str, dict] | None:
+        if kind != "chat":
+            return None
+        req = {"model": body.get("model"), "messages": body.get("messages")}
+        for k in ("chat_template_kwargs", "reasoning_effort"):  # what the chat template sees
+            if body.get(k) is not None:
+                req[k] = body[k]
+        return "/v1/tokenize", req
+
+    def parse_prompt_ids(self, obj: dict) -> list[int]:
+        ids = obj.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise ValueError(f"/v1/tokenize answered without token ids: {str(obj)[:200]}")
+        return ids
 
     def parse_chunk(self, obj: dict) -> Delta:
         if "error" in obj and "choices" not in obj:

@@ -12,17 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from adapters.codec import ContinuationCodec, Delta, Kind
-
-#: request fields copied from a chat request into the completions-style continuation
-_CHAT_SAMPLING_KEYS = (
-    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
-    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
-    "logit_bias", "bad_words", "allowed_token_ids", "stream_options", "user", "priority",
-    "min_tokens", "truncate_prompt_tokens", "length_penalty",
-)
-
+from adapters.codec import ContinuationCodec, Delta, Kind, completions_continuation
 
 class Codec(ContinuationCodec):
     """vLLM >= 0.10.2 (`return_token_ids`)."""
@@ -86,28 +76,8 @@ class Codec(ContinuationCodec):
     def continuation_request(self, kind: Kind, body: dict, prompt_ids: list[int],
                              sent_ids: list[int], *, text_by_router: bool = False
                              ) -> tuple[str, dict]:
-        if kind == "completions":
-            req = dict(body)
-            for k in ("echo", "prompt_logprobs", "suffix"):
-                req.pop(k, None)
-        else:
-            req = {"model": body["model"]}
-            for k in _CHAT_SAMPLING_KEYS:
-                if k in body:
-                    req[k] = body[k]
-            mt = body.get("max_completion_tokens", body.get("max_tokens"))
-            if mt is not None:
-                req["max_tokens"] = mt
-        if text_by_router:
-            req.pop("stop", None)
-        req["prompt"] = list(prompt_ids) + list(sent_ids)
-        req["stream"] = True
-        req["return_token_ids"] = True
-        n = len(sent_ids)
-        if req.get("max_tokens") is not None:
-            req["max_tokens"] = max(1, int(req["max_tokens"]) - n)
-        if req.get("min_tokens"):
-            req["min_tokens"] = max(0, int(req["min_tokens"]) - n)
+        req = completions_continuation(kind, body, prompt_ids, sent_ids, text_by_router,
+                                       drop=("echo", "prompt_logprobs", "suffix"))
         return "/v1/completions", req
 
     def parse_chunk(self, obj: dict) -> Delta:

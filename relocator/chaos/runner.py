@@ -60,9 +60,32 @@ class ChaosConfig:
 
 
 # ---- small helpers -----------------------------------------------------------------------------
+def _reference(lcfg: Any, endpoint: str, engine: str | None) -> Any:
+    """Greedy outputs of the mix before any move, straight from a worker. A chat stream whose
+    engine carries no token ids in it (SGLang: the router sends it as a completions stream on
+    the engine's own rendering of the messages) is taken through the router instead, before
+    any move; tests/test_sglang_adapter.py checks that path against the engine's own chat."""
+    import dataclasses
+
+    from adapters.base import DEFAULT_ENGINE, get_codec
+    from loadtests import Reference, build_specs, make_reference
+
+    codec = get_codec(engine or DEFAULT_ENGINE)
+    specs = [s for s in build_specs(lcfg) if s.greedy]
+    via_router = [s for s in specs if codec.translates(s.kind, s.body(MODEL))]
+    direct = [s for s in specs if s not in via_router]
+    ref = Reference()
+    for part, url in ((direct, endpoint), (via_router, lcfg.url)):
+        if part:  # (an empty `specs` means "the default mix")
+            more = asyncio.run(make_reference(dataclasses.replace(lcfg, specs=part), url=url))
+            ref.update(more)
+            ref.text.update(more.text)
+    return ref
+
+
 def _chat_fraction(engine: str | None) -> float:
-    """Half the streams are chat, unless the engine cannot continue a chat stream (SGLang):
-    chaos checks moves, not what an engine cannot do."""
+    """Half the streams are chat, unless the engine cannot continue a chat stream: chaos
+    checks moves, not what an engine cannot do."""
     from adapters.base import DEFAULT_ENGINE, get_codec
 
     codec = get_codec(engine or DEFAULT_ENGINE)
@@ -672,7 +695,7 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
                           output_tokens=list(cfg.output_tokens), prompt_words=[8, 32], distinct=12,
                           greedy_fraction=0.75, seed=cfg.seed, request_timeout_s=300,
                           chat_fraction=_chat_fraction(cfg.engine))
-        ref = asyncio.run(make_reference(lcfg, url=ws[0]["endpoint"]))
+        ref = _reference(lcfg, ws[0]["endpoint"], cfg.engine)
         load = _LoadThread(lcfg).start()
         time.sleep(1.0)
         nodes = [n["id"] for n in st0["nodes"]]

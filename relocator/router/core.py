@@ -269,13 +269,14 @@ class RouterCore:
             if len(tried) > self.retries:
                 raise errors.upstream_unavailable(f"No replica of `{model}` answered: {last}")
             r = await self.table.acquire(model, key, exclude=tried)
-            send = st.use(self.codec(r))  # the replica's engine frames the stream
             handle = StreamHandle(r.worker_id)
             self.table.register(r, handle)
             self.hooks.in_flight(r.worker_id, 1)
             ok = False
             try:
-                resp = await self._open(r, handle, path, send)
+                # the replica's engine frames the stream
+                p, send = await self._first_request(st, r, model, path)
+                resp = await self._open(r, handle, p, send)
                 ok = True
             except _Moved:
                 continue
@@ -393,7 +394,7 @@ class RouterCore:
             self.hooks.in_flight(r.worker_id, 1)
             try:
                 if outcome == "retry":
-                    p, body = path, st.use(self.codec(r))
+                    p, body = await self._first_request(st, r, model, path)
                 else:
                     p, req = await self._continuation_request(st, r, model)
                     body = json.dumps(req).encode()
@@ -507,6 +508,40 @@ class RouterCore:
                     break
         finally:
             self.hooks.suspect_end(r.worker_id, outcome)
+
+    async def _first_request(self, st: StreamState, r: Replica, model: str, path: str) -> tuple[str, bytes]:
+        """(path, body) of the stream's first request to `r` (again, after a retry). A stream
+        that the engine sends without token ids (`codec.translates`: SGLang's chat) goes out
+        as a continuation from its first token, on the prompt ids the engine renders."""
+        codec = self.codec(r)
+        if st.continuation and codec.translates(st.kind, st.body):
+            prompt = await self._prompt_ids(r, codec, st)
+            if prompt is not None:
+                tok = await self._tokenizer(r, model, prompt)
+                st.use_translated(codec, prompt, tok)
+                p, req = codec.continuation_request(st.kind, st.body, prompt, [],
+                                                    text_by_router=st.text is not None)
+                return p, json.dumps(req).encode()
+        return path, st.use(codec)
+
+    async def _prompt_ids(self, r: Replica, codec: ContinuationCodec, st: StreamState) -> list[int] | None:
+        """The prompt ids `r`'s engine renders for the request; None when it refuses (the
+        request then goes to the engine as it is, which answers with its own error)."""
+        path, req = codec.prompt_ids_request(st.kind, st.body) or (None, None)
+        if path is None:
+            return None
+        resp = await self.upstream.post(r.endpoint + path, json.dumps(req).encode())  # UpstreamError: retried
+        try:
+            if resp.status != 200:
+                return None
+            data = await resp.read()
+        finally:
+            resp.close()
+        try:
+            return codec.parse_prompt_ids(json.loads(data))
+        except ValueError as e:
+            log.warning("prompt ids from %s unusable (%s): request sent as it is", r.worker_id, e)
+            return None
 
     async def _continuation_request(self, st: StreamState, r: Replica, model: str):
         prompt = st.prompt_ids

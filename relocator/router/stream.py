@@ -15,6 +15,8 @@ continuation leg's codec parses that leg."""
 from __future__ import annotations
 
 import json
+import time
+import uuid
 from typing import Any
 
 from adapters.codec import ContinuationCodec, Delta, Kind, dumps, parse_ids
@@ -62,6 +64,10 @@ class StreamState:
         #: where the last splice fell (the text's `held_back()`; "engine_text": no text making)
         self.splice_at = ""
         self.splices: list[str] = []
+        #: sent as a continuation from its first token (`use_translated`); its chat chunks
+        #: are made here, the first one carrying the assistant role
+        self.translated = False
+        self.role_pending = False
         if codec is not None:
             self.use(codec)
 
@@ -78,7 +84,30 @@ class StreamState:
         self.track_offsets = (self.track and self.kind == "completions"
                               and self.body.get("logprobs") is not None)
         self.restart()
+        self.translated = self.role_pending = self.cont = False
+        self.tmpl, self.text = {}, None
         return codec.ask_for_token_ids(self.raw) if self.strip else self.raw
+
+    def use_translated(self, codec: ContinuationCodec, prompt_ids: list[int], tokenizer: Any | None) -> None:
+        """Nothing has reached the client yet: the stream is (again) sent to an engine whose
+        stream of this kind carries no token ids, as a continuation from its first token on
+        `prompt_ids` (the engine's rendering of the request). Every chunk is then made here
+        in the client's kind, as after a splice."""
+        assert not self.sent_any
+        self.engine = self.leg_codec = codec
+        self.unsupported = None
+        self.track, self.strip, self.track_offsets = True, False, False
+        self.wants_ids = codec.client_wants_token_ids(self.body)
+        self.restart()
+        self.prompt_raw = ",".join(map(str, prompt_ids)).encode()
+        self.text = codec.output_text(tokenizer, prompt_ids, self.body) if tokenizer is not None else None
+        prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
+        self.tmpl = {"id": f"{prefix}-{uuid.uuid4().hex}",
+                     "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+                     "created": int(time.time()), "model": self.body.get("model")}
+        self.translated = self.cont = True
+        self.role_pending = self.kind == "chat"
+        self.prompt_len, self.emitted_ids, self.leg_offset = len(prompt_ids), 0, 0
 
     # ------------------------------------------------------------------ normal path
     def feed(self, data: bytes) -> bytes:
@@ -308,7 +337,11 @@ class StreamState:
         obj = dict(self.tmpl)
         tid = ids if self.wants_ids else None
         if self.kind == "chat":
-            choice: dict[str, Any] = {"index": 0, "delta": {"content": text} if text else {},
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if self.role_pending:  # a translated stream's first chunk, as the engine's would
+                delta = {"role": "assistant", "content": text}
+                self.role_pending = False
+            choice: dict[str, Any] = {"index": 0, "delta": delta,
                                       "logprobs": None, "finish_reason": finish}
             if finish:
                 choice["stop_reason"] = stop_reason
