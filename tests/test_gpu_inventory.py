@@ -72,3 +72,17 @@ def test_node_info_lists_gpus_only_when_real() -> None:
     assert "gpus" not in fake.to_dict() and fake.gpus == []
     real = NodeInfo("n2", "ray2", 1, 1, gpus=[GpuFact(0, "GPU-a", "NVIDIA H200", 143771)])
     assert real.to_dict()["gpus"] == [{"index": 0, "uuid": "GPU-a", "model": "NVIDIA H200", "memory_mib": 143771}]
+
+
+def test_agent_reports_its_gpus_as_the_controller_reads_them(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """What an agent answers (`NodeAgent.gpus`) is what the controller keeps with the node and
+    turns back into the node's GpuFacts."""
+    from relocator.agent.agent import NodeAgent
+
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([("GPU-aaaa", "NVIDIA H200", H200)]))
+    monkeypatch.setenv("RELOCATOR_STATE_DIR", str(tmp_path / "keep"))  # the agent sets it for its process
+    agent = NodeAgent("n1", str(tmp_path / "state"), str(tmp_path / "images"))
+    report = agent.gpus()
+    assert report == [{"index": 0, "uuid": "GPU-aaaa", "model": "NVIDIA H200", "memory_mib": 143771}]
+    node = NodeInfo("n1", "ray-1", 1, 1, gpus=[GpuFact(**g) for g in report])
+    assert node.to_dict()["gpus"] == report

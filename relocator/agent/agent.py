@@ -80,6 +80,13 @@ class NodeAgent:
         return {"node": self.node, "pid": os.getpid(), "adopted": self.adopted,
                 "started_at": self.started_at, "state_dir": str(self.state_dir)}
 
+    def gpus(self) -> list[dict[str, Any]]:
+        """This node's real GPUs through NVML (index, UUID, model, memory); [] where there are
+        none (Ray's GPU counts are then fake)."""
+        from relocator.controller.inventory import local_gpus
+
+        return [g.to_dict() for g in local_gpus()]
+
     def cells(self) -> list[dict[str, Any]]:
         from relocator.cell.cell import list_cells
 

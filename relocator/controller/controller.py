@@ -20,7 +20,7 @@ from typing import Any, Callable
 from relocator.agent.agent import NAMESPACE, start_agent
 from relocator.controller.backend import NodeLost, RayBackend
 from relocator.controller.events import EventKind, EventLog
-from relocator.controller.inventory import NodeInfo, best_fit, ray_nodes
+from relocator.controller.inventory import GpuFact, NodeInfo, best_fit, ray_nodes
 from relocator.controller.machine import Machine, PhaseFault, check_faults
 from relocator.controller.model import (
     RUNNING,
@@ -166,11 +166,13 @@ class Controller:
     def inventory(self, refresh: bool = False) -> dict[str, NodeInfo]:
         with self._lock:
             if refresh or time.monotonic() - self._nodes_at > 1.0:
-                known = {d["ray_node_id"]: d["id"] for d in self.store.all("node")}
+                docs = {d["ray_node_id"]: d for d in self.store.all("node")}
+                known = {k: d["id"] for k, d in docs.items()}
                 self._nodes = ray_nodes(known, self.config.get("node_names"))
                 for n in self._nodes.values():  # remembered: Ray lists a dead node without its name
                     if n.alive and known.get(n.ray_node_id) != n.id:
                         self.store.put("node", n.ray_node_id, {"id": n.id, "ray_node_id": n.ray_node_id})
+                    n.gpus = [GpuFact(**g) for g in (docs.get(n.ray_node_id) or {}).get("gpus") or []]
                     if not n.alive and n.id not in self._lost_nodes:  # first seen dead
                         self._lost_nodes[n.id] = time.time()
                         self._wake.set()
@@ -223,8 +225,19 @@ class Controller:
 
     def update_nodes(self) -> None:
         """A node Ray declares dead is fenced once: what of it runs here and nobody owns is
-        killed (a lost node's copies must never serve again next to their replacements)."""
+        killed (a lost node's copies must never serve again next to their replacements). A live
+        node's agent reports its real GPUs once (kept with the node's record)."""
         nodes = self.inventory(refresh=True)
+        for name, info in nodes.items():
+            if info.alive and "gpus" not in (self.store.get("node", info.ray_node_id) or {}):
+                try:
+                    gpus = self.backend.call(name, "gpus", timeout=30)
+                except Exception as exc:  # noqa: BLE001 - asked again next round
+                    log.debug("GPU report of %s: %s", name, exc)
+                else:
+                    doc = self.store.get("node", info.ray_node_id) or {"id": name, "ray_node_id": info.ray_node_id}
+                    self.store.put("node", info.ray_node_id, {**doc, "gpus": gpus})
+                    self._nodes_at = 0.0  # the next inventory carries them
         for name, info in nodes.items():
             if info.alive or name in self._fenced_nodes:
                 continue
