@@ -1,0 +1,28 @@
+"""`relocator bench gateway`, small: every side measured, the move through LiteLLM with the
+plugin and through the router clean, through LiteLLM alone not (what users have today)."""
+
+from __future__ import annotations
+
+import pytest
+
+from relocator.gateways.litellm_proxy import available
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+async def test_bench_gateway_small():
+    if available():
+        pytest.skip(available())
+    from relocator.bench.gateway import run
+
+    res = await run(duration_s=1.0, rounds=1, move_tokens=60, move_concurrency=4)
+    for side in ("litellm", "litellm_plugin", "router"):
+        for c in ("c1", "c64"):
+            assert res[side][c]["requests"] > 0 and res[side][c]["errors"] == 0, (side, c, res)
+            assert {"ttfb_p50_ms", "ttfb_p99_ms", "req_per_s"} <= set(res[side][c])
+    for side in ("litellm_plugin", "router"):
+        m = res[side]["move"]
+        assert m["client_errors"] == 0 and m["tokens_lost"] == 0, (side, m)
+        assert m["tokens_mismatched_or_duplicated"] == 0, (side, m)
+    assert res["litellm"]["move"]["client_errors"] > 0  # streams cut by the move, not continued
+    assert res["targets"]["plugin_move_clean"]
