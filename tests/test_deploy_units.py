@@ -111,3 +111,17 @@ def test_in_host_binds_private_state_dirs():
     script = argv[argv.index("-c") + 1]
     for target in ("/var/lib/relocator", "/run/relocator", "/tmp"):
         assert target in script
+
+
+def test_cli_refuses_a_bad_deploy_config_before_connecting(tmp_path):
+    from typer.testing import CliRunner
+
+    from relocator.cli import _register, app
+
+    _register()
+    f = tmp_path / "d.yaml"
+    f.write_text("controller: {transfer: shard}\n")
+    res = CliRunner().invoke(app, ["deploy", "--address", "ray://127.0.0.1:1", "--config", str(f)])
+    assert res.exit_code == 2 and res.output.startswith("error: ") and "controller.transfer" in res.output
+    res = CliRunner().invoke(app, ["up", "--emulate-hosts", "16"])
+    assert res.exit_code == 2, res.output

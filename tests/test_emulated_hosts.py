@@ -1,7 +1,8 @@
 """Emulated hosts with nothing shared (issue 17), end to end: `relocator up --emulate-hosts 3`
 (plain `ray start` in three network + mount namespaces, then `relocator deploy` on them), the
-hosts' isolation, a live move h2 -> h3 with `transfer: stream` under load, a rollback, a host
-lost under load, `undeploy` removing exactly what deploy started, and deploy's refusals.
+hosts' isolation, deploy's refusals and a redeploy, a live move h2 -> h3 with `transfer:
+stream` under load, a rollback, a move whose target host dies mid-move, the worker's host lost
+under load, and `undeploy` removing exactly what deploy started.
 
 The Ray side runs in tests/emulated_scenario.py as its own process (this session may be
 attached to the shared local cluster); this module checks the hosts from outside."""
@@ -19,6 +20,7 @@ import pytest
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[1]
+SERVE_AGAIN_BOUND_S = 15.0  # the 2 s target is reported (docs/benchmarks.md), not asserted: shared cores
 
 
 def _mounts(pid: int) -> dict[str, str]:
@@ -54,7 +56,7 @@ def test_hosts_are_isolated(emulated_cluster) -> None:
                                text=True).stdout.strip() == "")  # no way out of the project's network
 
 
-def test_move_rollback_node_loss_undeploy(emulated_cluster) -> None:
+def test_refusals_move_rollback_host_losses_undeploy(emulated_cluster) -> None:
     base = emulated_cluster["base_dir"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled"}
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "emulated_scenario.py"), base], capture_output=True,
@@ -63,8 +65,19 @@ def test_move_rollback_node_loss_undeploy(emulated_cluster) -> None:
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     print(json.dumps(out, indent=1))
     assert out["nodes"] == {"h1": True, "h2": True, "h3": True}
-    assert out["launch"]["node"] == "h2" and out["launch"]["endpoint"].startswith("http://10.252.32.")
 
+    # undeploy then deploy's refusals on hosts that share nothing and have no real GPUs
+    assert out["first_undeploy"]["undeployed"] and not out["first_undeploy"]["errors"], out["first_undeploy"]
+    shared = out["refused_shared"]  # h1 runs the controller and sees its own marker; the others do not
+    assert shared and shared["failed"]["h1"] == [], shared
+    assert all(any("shared" in f for f in shared["failed"][h]) for h in ("h2", "h3")), shared
+    fake = out["refused_fake_gpus"]
+    assert fake and all(any("declares 4 GPU" in f for f in fake["failed"][h]) for h in ("h1", "h2", "h3")), fake
+    assert out["redeploy"]["nodes"] == ["h1", "h2", "h3"] and all(out["redeploy"]["preflight"].values())
+    assert out["redeploy"]["controller"] == "h1"
+    assert "already" in out["second_deploy"], out["second_deploy"]
+
+    assert out["launch"]["node"] == "h2" and out["launch"]["endpoint"].startswith("http://10.252.32.")
     move = out["move"]
     assert move["result"] == "done" and move["transfer"] == "stream", move
     assert move["client_errors"] == 0, move["errors"]
@@ -80,21 +93,22 @@ def test_move_rollback_node_loss_undeploy(emulated_cluster) -> None:
         (0, 0, 0), rb
     assert rb["worker_after"] == {"node": "h3", "state": "running"}
 
-    loss = out["node_loss"]
+    mid = out["mid_move_loss"]  # the target host dies during RESTORE: back to the source's host
+    assert mid["killed"] and mid["result"] == "rolled_back", mid
+    assert mid["worker_after"] == {"node": "h3", "state": "running"}, mid
+    assert mid["client_errors"] == 0 and (mid["tokens_lost"], mid["tokens_duplicated"], mid["tokens_mismatched"]) == \
+        (0, 0, 0), mid
+    assert mid["serving_after_detection_s"] < SERVE_AGAIN_BOUND_S, mid
+
+    loss = out["node_loss"]  # the worker's own host dies: a cold launch on the last live host
     assert loss["host"] == "h3" and loss["killed_cells"], loss
     assert loss["detected_s"] is not None and loss["replacement"].get("ok"), loss
-    assert loss["worker_after"]["state"] == "running" and loss["worker_after"]["node"] in ("h1", "h2"), loss
+    assert loss["worker_after"]["state"] == "running" and loss["worker_after"]["node"] == "h1", loss
     assert (loss["tokens_lost"], loss["tokens_duplicated"], loss["tokens_mismatched"]) == (0, 0, 0), loss
 
-    assert "deployed already" in out["second_deploy"] or "already" in out["second_deploy"]
-    und = out["undeploy"]
+    und = out["undeploy"]  # exactly what the deployment started; the lost hosts' dirs stay with them
     assert und["undeployed"] and not und["errors"], und
-    assert sorted(und["killed_actors"]) == sorted(
-        ["relocator-controller", "relocator-router", "relocator-agent-h1", "relocator-agent-h2"]), und
-    assert und["hosts"]["h3"] == {"lost": True} and und["hosts"]["h1"]["removed"] and und["hosts"]["h2"]["removed"]
+    assert sorted(und["killed_actors"]) == ["relocator-agent-h1", "relocator-controller", "relocator-router"], und
+    assert und["hosts"]["h2"] == {"lost": True} and und["hosts"]["h3"] == {"lost": True}
+    assert und["hosts"]["h1"]["removed"], und
     assert out["named_actors_after"] == []
-    shared = out["refused_shared"]
-    # h1 runs the controller and sees its own marker; h2 shares no filesystem with it
-    assert shared and any("shared" in f for f in shared["failed"]["h2"]) and shared["failed"]["h1"] == [], shared
-    fake = out["refused_fake_gpus"]
-    assert fake and all(any("declares 4 GPU" in f for f in fake["failed"][h]) for h in ("h1", "h2")), fake

@@ -234,9 +234,10 @@ def kill_host(h: EmulatedHost, cells: bool = True) -> dict[str, Any]:
     killed = []
     for pid in host_pids(h):
         try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
             os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-        except ProcessLookupError:
+            killed.append(f"{pid} {comm}")
+        except (ProcessLookupError, OSError):
             pass
     cell_ids = []
     if cells:
