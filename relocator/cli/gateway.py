@@ -13,6 +13,7 @@ import typer
 from relocator.choices import LogLevel
 from relocator.cli import app
 from relocator.cli.common import console, fail, handle_errors
+from relocator.gateways import ViaRouter
 
 gateway_app = typer.Typer(help="Plugins for request gateways: an Envoy endpoint picker, the "
                                "LiteLLM plugin's config.", no_args_is_help=True)
@@ -47,20 +48,16 @@ def epp(
     control_port: Optional[int] = typer.Option(None, min=0, max=65535, help="control API port"),
     router_address: Optional[str] = typer.Option(
         None, help="ip:port Envoy reaches the router at (default 127.0.0.1:<port>)"),
-    via_router: str = typer.Option("streams", help="requests sent through the router, which "
-                                   "continues them across a move: none, streams, all"),
+    via_router: ViaRouter = typer.Option(ViaRouter.STREAMS, help="requests sent through the "
+                                         "router, which continues them across a move"),
     log_level: LogLevel = typer.Option(LogLevel.WARNING, help="Python log level"),
 ) -> None:
     """Serve the GAIE endpoint-picker protocol over Envoy ext_proc on the relocator routing
     table: each request goes to its worker's current endpoint (dynamic metadata envoy.lb /
     x-gateway-destination-endpoint), waits while the worker is held; streams go through the
     router served by this process, which continues them across a move."""
-    from relocator.gateways.epp import EppGateway, ViaRouter
+    from relocator.gateways.epp import EppGateway
 
-    try:
-        ViaRouter(via_router)
-    except ValueError as e:
-        fail(str(e), 2)
     s = _settings(config, backend, port=port, control_port=control_port)
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -36,7 +36,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2, struct_pb2
 
-from relocator.choices import registry_choice
+from relocator.gateways import ViaRouter
 from relocator.router import errors
 from relocator.router.core import RouterCore
 from relocator.router.errors import RouterError
@@ -47,8 +47,6 @@ log = logging.getLogger(__name__)
 #: GAIE's names: the dynamic-metadata namespace and the key / header carrying the endpoint
 LB_NAMESPACE = "envoy.lb"
 DESTINATION = "x-gateway-destination-endpoint"
-
-ViaRouter = registry_choice("ViaRouter", ["none", "streams", "all"], __name__)
 
 
 def host_port(url: str) -> str:
@@ -105,7 +103,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
     router that continues streams (None: every request goes to a worker directly)."""
 
     def __init__(self, table: RoutingTable, *, router_endpoint: str | None = None,
-                 via_router: str = "streams", max_body_bytes: int = 4 << 20) -> None:
+                 via_router: str = ViaRouter.STREAMS, max_body_bytes: int = 4 << 20) -> None:
         self.table = table
         self.router_endpoint = router_endpoint
         self.via_router = ViaRouter(via_router)
@@ -221,7 +219,8 @@ class EppGateway:
     and the control API) and the endpoint picker on one routing table, in one process."""
 
     def __init__(self, settings, grpc_host: str = "127.0.0.1", grpc_port: int = 9002,
-                 router_address: str | None = None, via_router: str = "streams") -> None:
+                 router_address: str | None = None,
+                 via_router: str = ViaRouter.STREAMS) -> None:
         from relocator.router.server import RouterServer
 
         self.server = RouterServer(settings)
