@@ -229,6 +229,23 @@ def host_cells(h: EmulatedHost) -> list[Any]:
     return out
 
 
+def _kill_cells(h: EmulatedHost, remove_netns: bool = False) -> list[str]:
+    """SIGKILL every cell recorded on host `h` (PID 1 of a cell: its whole tree goes); with
+    `remove_netns`, remove their network namespaces too (their veths' host ends live in the
+    host's namespace and go with it)."""
+    ids = []
+    for c in host_cells(h):
+        if c.is_alive():
+            try:
+                os.kill(c.init_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if remove_netns:
+            _run("ip", "netns", "del", c.netns, check=False)
+        ids.append(c.id)
+    return ids
+
+
 def kill_host(h: EmulatedHost, cells: bool = True) -> dict[str, Any]:
     """A host dies: every process of its namespace and (`cells`) every cell it runs, SIGKILLed."""
     killed = []
@@ -239,36 +256,13 @@ def kill_host(h: EmulatedHost, cells: bool = True) -> dict[str, Any]:
             killed.append(f"{pid} {comm}")
         except (ProcessLookupError, OSError):
             pass
-    cell_ids = []
-    if cells:
-        for c in host_cells(h):
-            if c.is_alive():
-                try:
-                    os.kill(c.init_pid, signal.SIGKILL)  # PID 1 of the cell: the whole tree goes
-                except ProcessLookupError:
-                    pass
-            cell_ids.append(c.id)
-    return {"host": h.name, "pids": killed, "cells": cell_ids}
+    return {"host": h.name, "pids": killed, "cells": _kill_cells(h) if cells else []}
 
 
 def _remove_cells(h: EmulatedHost) -> list[str]:
-    """Kill what is left of host `h`'s cells, with their network namespaces (the cell
-    records' veths live in the host's namespace, gone with it)."""
-    from relocator.cell.cell import list_cells, using_state_dir
-
-    removed = []
-    for state in sorted(h.private("var-lib").glob("**/nodes/*/state")):
-        with using_state_dir(state):
-            for c in list_cells():
-                if c.is_alive():
-                    try:
-                        os.kill(c.init_pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                _run("ip", "netns", "del", c.netns, check=False)
-                removed.append(c.id)
-    # records of the host's own registry (private /run/relocator/net): namespaces of cells
-    # that never got a cell record
+    """What is left of host `h`'s cells, with their network namespaces, and namespaces of its
+    registry (private /run/relocator/net) that never got a cell record."""
+    removed = _kill_cells(h, remove_netns=True)
     for rec in sorted((h.private("run") / "net").glob("*.json")):
         _run("ip", "netns", "del", rec.stem, check=False)
     return removed
@@ -296,8 +290,9 @@ def start(n: int, base_dir: str | Path, *, gpus: int = 4, cpus: int = 1, object_
         raise
 
 
-def stop(cluster: EmulatedCluster, timeout: float = 20.0) -> dict[str, Any]:
-    """Stop every host: SIGTERM to its processes, then SIGKILL; its cells; the network."""
+def stop(cluster: EmulatedCluster, timeout: float = 5.0) -> dict[str, Any]:
+    """Stop every host: SIGTERM to its processes, then SIGKILL (Ray's GCS ignores SIGTERM for a
+    long while; a host's state is thrown away anyway); its cells; the network."""
     out: dict[str, Any] = {"hosts": {}}
     for h in cluster.hosts:
         for pid in host_pids(h):
