@@ -94,8 +94,11 @@ async def test_move_under_streaming_load_through_litellm(vllm_server, vllm_serve
     try:
         progress: dict[str, int] = {}
         first = [asyncio.ensure_future(_stream(client, model, p, progress)) for p in prompts]
-        while len(progress) < len(prompts) or min(progress.values()) < 3:
-            await asyncio.sleep(0.02)  # every stream is under way on the source
+        # move while the source streams: LiteLLM reads ahead of its client, so the client's
+        # progress says little about the upstream; the bytes the source sent do
+        while mp.forwarded < 30_000:
+            await asyncio.sleep(0.005)
+            assert not any(t.done() for t in first), [t.exception() for t in first if t.done()]
         await rc.hold("w0")                                            # HOLD
         mp.freeze()                                                    # DUMP
         second = [asyncio.ensure_future(_stream(client, model, p)) for p in late]
@@ -118,3 +121,47 @@ async def test_move_under_streaming_load_through_litellm(vllm_server, vllm_serve
         assert text == want_text, (p, text[:80], want_text[:80])  # nothing lost or repeated
         assert usage.completion_tokens == want_usage.completion_tokens == N
         assert usage.prompt_tokens == want_usage.prompt_tokens
+
+
+async def test_errors_and_unary_through_litellm(tmp_path):
+    """Clear errors through LiteLLM (no cooldown after them), a plain request passes through."""
+    import openai
+
+    from relocator.router.fakeserver import Knobs, start_fake
+
+    eng, runner, url = await start_fake("fake", knobs=Knobs(tokens=12))
+    cport = free_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(json.dumps({"control_port": cport, "hold_timeout_s": 1,
+                               "backends": [{"model": "fake", "url": url, "worker_id": "w0"}]}))
+    proxy = LiteLLMProxy(plugin_config(["fake", "ghost"]), tmp_path, free_port(),
+                         env={"RELOCATOR_GATEWAY_CONFIG": str(cfg)})
+    await asyncio.to_thread(proxy.start)
+    client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=proxy.key, max_retries=0)
+    direct = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    rc = RouterControl(f"http://127.0.0.1:{cport}")
+    msgs = [{"role": "user", "content": "hi"}]
+    try:
+        a = await client.chat.completions.create(model="fake", messages=msgs, max_tokens=12)
+        b = await direct.chat.completions.create(model="fake", messages=msgs, max_tokens=12)
+        assert a.choices[0].message.content == b.choices[0].message.content
+        assert a.usage.completion_tokens == 12
+        for stream in (False, True, True):  # in LiteLLM's list, not in the routing table
+            with pytest.raises(openai.NotFoundError, match="ghost"):
+                r = await client.chat.completions.create(model="ghost", messages=msgs,
+                                                         max_tokens=3, stream=stream)
+                if stream:
+                    [x async for x in r]
+        await rc.hold("w0")  # never switched: the hold runs out
+        with pytest.raises(openai.InternalServerError, match="relocated"):
+            await client.chat.completions.create(model="fake", messages=msgs, max_tokens=3)
+        await rc.release("w0")
+        r = await client.chat.completions.create(model="fake", messages=msgs, max_tokens=3,
+                                                 stream=True)
+        assert "".join([x.choices[0].delta.content or "" async for x in r if x.choices])
+    finally:
+        await rc.close()
+        await client.close()
+        await direct.close()
+        proxy.stop()
+        await runner.cleanup()

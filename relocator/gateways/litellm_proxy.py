@@ -59,7 +59,9 @@ def plugin_config(models: list[str]) -> dict[str, Any]:
                 "custom_provider_map": [{"provider": "relocator",
                                          "custom_handler": "relocator.gateways.litellm.handler"}],
                 "num_retries": 0, "request_timeout": 600},
-            "router_settings": {"num_retries": 0}}
+            # one LiteLLM deployment per model stands for all its workers: a failed request
+            # (a hold that ran out, a worker that is gone) must not put the model in cooldown
+            "router_settings": {"num_retries": 0, "disable_cooldowns": True}}
 
 
 def plain_config(model: str, api_base: str) -> dict[str, Any]:
