@@ -61,12 +61,18 @@ class FakeBackend:
         self._call("release", wid)
         self.router[wid]["held"] = False
 
-    def dump(self, node, cell, image_dir):
+    def dump(self, node, cell, image_dir, page_server=None):
         assert self.cells[(node, cell)] == "running"
         self.cells[(node, cell)] = "stopped"  # like CRIU --leave-stopped
         self._call("dump", node, cell)
         self.images.add((node, image_dir))
+        self.dump_page_server = page_server
         return {"bytes": 1234}
+
+    def open_page_server(self, node, image_dir):  # transfer stream: the target's page server
+        self._call("open_page_server", node)
+        self.images.add((node, image_dir))
+        return {"address": "127.0.0.1", "port": 1, "image_dir": image_dir}
 
     def transfer(self, src, dst, image_dir, dst_image_dir):
         self._call("transfer", src, dst)
@@ -139,6 +145,7 @@ def test_stream_transfer_and_target_choice(env) -> None:
     rel = Machine(store, be).run(Relocation(id="r1", worker="w1", src="n1", transfer="stream"))
     assert rel.result == DONE and rel.dst == "n2"
     assert ("transfer", "n1", "n2") in be.calls
+    assert ("open_page_server", "n2") in be.calls and be.dump_page_server["port"] == 1  # memory straight there
     assert be.restore_verified  # streamed bytes were hashed on arrival: no second pass
     assert rel.dst_image_dir == "/img/n2/r1" and be.images == set()
 

@@ -21,7 +21,7 @@ from relocator.cli import _register, app
 runner = CliRunner()
 _register()
 
-TRANSFER = ("shared", "stream")
+TRANSFER = ("shared", "stream", "postcopy", "auto")
 PLACEMENT = ("random", "best-fit", "dot-product", "fgd")
 
 
@@ -41,8 +41,8 @@ def test_bench_relocation_transfer(monkeypatch) -> None:
     import relocator.cli.bench_relocation as mod
 
     monkeypatch.setattr(mod, "run_bench", lambda *a, **k: pytest.fail("the benchmark ran"))
-    line = _refused(["bench", "relocation", "--transfer", "postcopy", "--json"], "--transfer", TRANSFER)
-    assert "'postcopy'" in line
+    line = _refused(["bench", "relocation", "--transfer", "precopy", "--json"], "--transfer", TRANSFER)
+    assert "'precopy'" in line
 
 
 def test_demo_transfer() -> None:
@@ -50,7 +50,7 @@ def test_demo_transfer() -> None:
 
 
 def test_relocate_transfer_and_fault() -> None:
-    _refused(["relocate", "w1", "--transfer", "postcopy"], "--transfer", TRANSFER)
+    _refused(["relocate", "w1", "--transfer", "precopy"], "--transfer", TRANSFER)
     _refused(["relocate", "w1", "--fault", "dmp"], "--fault", ("dump", "transfer", "restore"))
 
 
@@ -186,8 +186,8 @@ def test_cluster_config_refuses_unknown_policy_transfer_and_keys(tmp_path, monke
     with pytest.raises(ValidationError) as e:
         LocalConfig.load(f)
     assert "controller.policy" in str(e.value) and all(p in str(e.value) for p in PLACEMENT)
-    f.write_text("controller: {transfer: postcopy}\n")
-    with pytest.raises(ValidationError, match="'shared' or 'stream'"):
+    f.write_text("controller: {transfer: precopy}\n")
+    with pytest.raises(ValidationError, match="'shared', 'stream', 'postcopy' or 'auto'"):
         LocalConfig.load(f)
     f.write_text("controller: {polcy: fgd}\n")  # a misspelled key is no default either
     with pytest.raises(ValidationError, match="polcy"):
@@ -240,14 +240,14 @@ def _controller(tmp_path):
 
 def test_controller_refuses_unknown_transfer_and_faults(tmp_path) -> None:
     c = _controller(tmp_path)
-    with pytest.raises(ValueError, match="unknown transfer mode 'postcopy'; valid: shared, stream"):
-        c.relocate("w1", "n2", transfer="postcopy")
+    with pytest.raises(ValueError, match="unknown transfer mode 'precopy'; valid: shared, stream, postcopy, auto"):
+        c.relocate("w1", "n2", transfer="precopy")
     with pytest.raises(ValueError, match="unknown fault 'dmp'; valid: dump, transfer, restore"):
         c.relocate("w1", "n2", faults={"dmp": True})
     with pytest.raises(ValueError, match="'crash' needs"):
         c.relocate("w1", "n2", faults={"crash": {"phase": "DUMPP"}})
     assert not c._busy and not list(c.store.open_relocations())  # nothing held, nothing recorded
-    with pytest.raises(ValueError, match="valid: shared, stream"):
+    with pytest.raises(ValueError, match="valid: shared, stream, postcopy, auto"):
         c.drain("n1", transfer="rsync")
 
 
@@ -275,15 +275,15 @@ def test_machine_refuses_unknown_transfer_before_touching_anything(tmp_path) -> 
     from relocator.controller.store import Store
     from tests.test_controller_machine import FakeBackend
 
-    with pytest.raises(ValueError, match="valid: shared, stream"):
-        Relocation(id="r0", worker="w1", src="n1", transfer="postcopy")
+    with pytest.raises(ValueError, match="valid: shared, stream, postcopy, auto"):
+        Relocation(id="r0", worker="w1", src="n1", transfer="precopy")
     store, be = Store(tmp_path / "db"), FakeBackend()
     store.save_worker(WorkerRecord(id="w1", model="m", node="n1", gpus=1, cell_id="c1",
                                    endpoint="http://a", reservation="pg-w1", state="running"))
     rel = Relocation(id="r1", worker="w1", src="n1", dst="n2")
-    rel.transfer = "postcopy"  # e.g. a record written by an older controller
+    rel.transfer = "precopy"  # e.g. a record written by a newer controller
     rel = Machine(store, be).run(rel)
-    assert rel.result == FAILED and rel.error.startswith("PLAN: unknown transfer mode 'postcopy'")
+    assert rel.result == FAILED and rel.error.startswith("PLAN: unknown transfer mode 'precopy'")
     assert be.calls == [] and store.worker("w1").state == "running"
 
 

@@ -16,6 +16,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterator
 
+from relocator.agent.transfers import TransferOps
+
 NAMESPACE = "relocator"
 
 
@@ -23,7 +25,7 @@ def agent_name(node: str) -> str:
     return f"relocator-agent-{node}"
 
 
-class NodeAgent:
+class NodeAgent(TransferOps):
     def __init__(self, node: str, state_dir: str, images_dir: str) -> None:
         # One agent per process: the cell registry follows RELOCATOR_STATE_DIR.
         os.environ["RELOCATOR_STATE_DIR"] = state_dir
@@ -34,6 +36,10 @@ class NodeAgent:
         self.images_dir.mkdir(parents=True, exist_ok=True)
         self._locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
         self._guard = threading.Lock()
+        # transfers in progress (relocator.agent.pagestream / postcopy): page servers by target
+        # image directory, lazy dumps (their CRIU process) by cell
+        self._receivers: dict[str, Any] = {}
+        self._lazy_dumps: dict[str, Any] = {}
         self.started_at = time.time()
         self.adopted = self._adopt()
 
@@ -59,12 +65,17 @@ class NodeAgent:
         """A `criu dump -t <init>` left running by a previous incarnation of this agent (killed
         mid-dump; CRIU is not killed with it) still holds the cell and will leave it stopped:
         wait for it, as the cell lock would have (found by `relocator chaos`)."""
+        from relocator.agent.postcopy import LazySource
         from relocator.procs import process_table
 
         pid = str(cell.init_pid)
+        # a lazy dump that serves its pages (post-copy) holds the tree until the target has them
+        # all: it is not an operation to wait for (resume and kill end it)
+        serving = LazySource(cell.dir).info() is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not any(argv[0].endswith("criu") and "-t" in argv and pid in argv
+                       and not (serving and "--lazy-pages" in argv)
                        for _, argv in process_table().values() if argv):
                 return
             time.sleep(0.1)
@@ -157,50 +168,75 @@ class NodeAgent:
             return {**self._describe(cell), "ready_s": round(ready_s, 3),
                     "launch_s": round(time.monotonic() - t0, 3)}
 
-    def dump(self, cell_id: str, image_dir: str) -> dict[str, Any]:
+    def dump(self, cell_id: str, image_dir: str, page_server: dict | None = None) -> dict[str, Any]:
+        """Checkpoint a cell into `image_dir`; with `page_server` ({address, port}: the target's,
+        see open_page_server) its memory goes straight there and only the small images stay."""
         from relocator.cell.cell import load_cell
         from relocator.snapshot import dump
 
         with self._lock(cell_id):
             t0 = time.monotonic()
-            img = dump(load_cell(cell_id), Path(image_dir))
+            ps = (page_server["address"], int(page_server["port"])) if page_server else None
+            img = dump(load_cell(cell_id), Path(image_dir), page_server=ps)
             return {"image_dir": str(img.path), "bytes": img.bytes, "seconds": round(time.monotonic() - t0, 3),
-                    "timings": img.manifest.timings}
+                    "timings": img.manifest.timings, "pages": img.manifest.pages.value}
 
     def resume(self, cell_id: str) -> None:
         from relocator.cell.cell import load_cell
         from relocator.snapshot import resume_source
 
+        from relocator.agent.postcopy import LazySource
+
         with self._lock(cell_id):
             cell = load_cell(cell_id)
+            # a post-copy that is given up: its lazy dump (still serving, or hung on a cut
+            # link) must let go of the tree first
+            LazySource(cell.dir).abort(self._lazy_dumps.pop(cell_id, None))
             self._wait_criu(cell)
             # always, even if its tasks run: a `criu dump` killed midway (with an agent that
             # died) releases the tasks but leaves CRIU's packet filter in the cell's netns
             resume_source(cell)
 
     def restore(self, image_dir: str, cell_id: str, ready_timeout: float = 120.0,
-                verify: str = "auto", gpu_ids: list[int] | None = None) -> dict[str, Any]:
+                verify: str = "auto", gpu_ids: list[int] | None = None,
+                page_source: dict | None = None) -> dict[str, Any]:
         """Restore into cell `cell_id`. `verify` as in `RestoreTarget`: "auto" re-hashes the
         files unless this host hashed these very files already (a dump here, or a verified
         transfer, leaves a stamp); the manifest digest and the fingerprint are always checked.
         `gpu_ids`: this node's GPU indices for the copy (a GPU image only; on fake-GPU nodes the
-        image holds no devices and they are ignored)."""
+        image holds no devices and they are ignored).
+        `page_source` ({address, port}, optional stall_s, throttle_bps): post-copy: the image is
+        a lazy dump's and its memory comes from that page server while the copy already runs
+        (postcopy_status / postcopy_wait follow it)."""
+        from relocator.agent.postcopy import TargetSession, stop_keeper
         from relocator.snapshot import RestoreTarget, restore
         from relocator.worker import wait_ready
 
         with self._lock(cell_id):
             t0 = time.monotonic()
-            cell = restore(Path(image_dir), RestoreTarget(cell_id=cell_id, verify=verify, gpu_ids=gpu_ids))
+            lazy = None
+            if page_source:
+                lazy = TargetSession(page_source["address"], int(page_source["port"]),
+                                     stall_s=float(page_source.get("stall_s", 3.0)),
+                                     throttle_bps=float(page_source.get("throttle_bps", 0.0)))
+            cell = restore(Path(image_dir), RestoreTarget(cell_id=cell_id, verify=verify, gpu_ids=gpu_ids),
+                           lazy=lazy)
             restored = time.monotonic() - t0
             try:
-                ready = asyncio.run(wait_ready(cell, timeout=ready_timeout, poll=0.05))
+                # post-copy: every probe may wait on pages still on their way
+                ready = asyncio.run(wait_ready(cell, timeout=ready_timeout, poll=0.02 if lazy else 0.05))
             except BaseException:
+                stop_keeper(cell.dir)
                 cell.kill()
                 raise
-            return {**self._describe(cell), "criu_restore_s": round(restored, 3), "health_s": round(ready, 3),
-                    "seconds": round(time.monotonic() - t0, 3)}
+            out = {**self._describe(cell), "criu_restore_s": round(restored, 3), "health_s": round(ready, 3),
+                   "seconds": round(time.monotonic() - t0, 3)}
+            if lazy:
+                out["postcopy"] = self._postcopy_state(cell.dir)
+            return out
 
     def kill(self, cell_id: str) -> bool:
+        from relocator.agent.postcopy import LazySource, stop_keeper
         from relocator.cell.cell import CellError, load_cell
 
         with self._lock(cell_id):
@@ -208,6 +244,10 @@ class NodeAgent:
                 cell = load_cell(cell_id)
             except CellError:
                 return False
+            stop_keeper(cell.dir)  # a post-copy target: its keeper and lazy-pages daemon
+            lazy = self._lazy_dumps.pop(cell_id, None)
+            if LazySource(cell.dir).running():  # a post-copy source: its lazy dump
+                LazySource(cell.dir).abort(lazy)
             cell.kill()
             return True
 
@@ -226,6 +266,9 @@ class NodeAgent:
         return str(self.images_dir / name)
 
     def remove_image(self, image_dir: str) -> None:
+        rx = self._receivers.pop(str(image_dir), None)
+        if rx is not None:  # a streamed dump that failed: its page server may still wait
+            rx.abort()
         path = Path(image_dir).resolve()
         if path.exists():
             shutil.rmtree(path, ignore_errors=True)
@@ -243,10 +286,37 @@ class NodeAgent:
 
     def receive_image(self, src_node: str, src_image_dir: str, dst_image_dir: str,
                       chunk_bytes: int = 16 << 20) -> dict[str, Any]:
-        """Pull an image from the agent of `src_node`, chunk by chunk, checksummed."""
+        """Pull an image from the agent of `src_node`, chunk by chunk, checksummed. When its
+        memory was streamed into `dst_image_dir` by this node's page server (open_page_server),
+        only the other images travel here, and the manifest is completed with the page files
+        hashed on arrival."""
         import ray
 
+        from relocator.agent.pagestream import complete_manifest, landed
         from relocator.agent.transfer import receive_chunks
+
+        t0 = time.monotonic()
+        rx = self._receivers.pop(str(dst_image_dir), None)
+        pages = None
+        if rx is not None:
+            try:
+                pages = rx.finish()
+            except BaseException:
+                self.remove_image(dst_image_dir)
+                raise
+        elif Path(dst_image_dir).is_dir() and any(Path(dst_image_dir).iterdir()):
+            # this agent restarted after the page server ended: hash the pages now
+            from relocator.agent.pagestream import _hash_now
+            from relocator.snapshot.images import check_pages
+
+            problems = check_pages(Path(dst_image_dir))
+            if problems:
+                self.remove_image(dst_image_dir)
+                from relocator.agent.transfer import TransferError
+
+                raise TransferError("streamed memory incomplete: " + "; ".join(problems[:3]))
+            files = _hash_now(Path(dst_image_dir))
+            pages = {"files": files, "page_bytes": sum(f.size for f in files.values()), "rehashed": True}
 
         src = ray.get_actor(agent_name(src_node), namespace=NAMESPACE)
         # at most 4 chunks in flight: the image never has to fit in the object store
@@ -259,7 +329,13 @@ class NodeAgent:
                 del ref  # the array keeps its buffer pinned only while it is used
                 yield (name, offset, memoryview(data), digest)
 
-        return receive_chunks(chunks(), dst_image_dir)
+        out = receive_chunks(chunks(), dst_image_dir, present=landed if pages is not None else None)
+        if pages is not None:
+            complete_manifest(Path(dst_image_dir), pages.pop("files"))
+            out = {**out, "streamed_pages_bytes": pages["page_bytes"],
+                   "bytes": out["bytes"] + pages["page_bytes"], **{k: v for k, v in pages.items() if k != "page_bytes"},
+                   "seconds": round(time.monotonic() - t0, 3)}
+        return out
 
 
 def start_agent(node: str, ray_node_id: str, state_dir: str, images_dir: str):

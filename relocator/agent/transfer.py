@@ -51,12 +51,16 @@ class TransferError(ImageError):
 
 
 def receive_chunks(chunks: Iterable[Chunk], dst_dir: str | Path,
-                   progress: Callable[[int], None] | None = None) -> dict:
+                   progress: Callable[[int], None] | None = None,
+                   present: Callable[[str], bool] | None = None) -> dict:
     """Write an image from `chunks` into `dst_dir` (created; must be empty) and verify it:
-    each file's sha256 as received == the sender's == the manifest's. Returns figures."""
+    each file's sha256 as received == the sender's == the manifest's. Returns figures.
+    `present(name)`: files already in `dst_dir` that the stream must not bring (the memory a
+    page server received there); anything else there is refused."""
     dst_dir = Path(dst_dir)
     dst_dir.mkdir(parents=True, exist_ok=True)
-    if any(dst_dir.iterdir()):
+    there = {p.name for p in dst_dir.iterdir()}
+    if any(not (present and present(n)) for n in there):
         raise TransferError(f"{dst_dir} is not empty")
     t0 = time.monotonic()
     received: dict[str, str] = {}
@@ -70,7 +74,7 @@ def receive_chunks(chunks: Iterable[Chunk], dst_dir: str | Path,
             if name != cur_name:
                 if fh is not None:
                     raise TransferError(f"{cur_name}: stream moved on before the file ended")
-                if "/" in name or name.startswith("."):
+                if "/" in name or name.startswith(".") or name in there:
                     raise TransferError(f"refusing file name {name!r}")
                 cur_name, h = name, hashlib.sha256()
                 fh = open(dst_dir / name, "wb")

@@ -42,6 +42,11 @@ class Fault:
     # the step it rides on: a forced move, or the first move of a make-room launch (its
     # controller faults then go to launch(faults=...), which injects them into that move)
     step: StepKind = StepKind.MOVE
+    # a destructive fault's lost node: the move's target (dst) or its source (src)
+    lost_node: str = "dst"
+    # "serving again" target for this fault when not the run's (a worker lost for good is
+    # replaced: from its last kept image in seconds, cold in tens of seconds)
+    serve_target_s: float | None = None
 
     def relocate_faults(self) -> dict[str, Any]:
         return {k: (dict(v) if isinstance(v, tuple) else v) for k, v in self.controller_faults}
@@ -55,8 +60,9 @@ class Fault:
 FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("kill-source-agent", "DUMP", ("rolled_back",),
           "SIGKILL the source node's agent actor (ray.kill) while CRIU dumps its cell"),
-    Fault("cut-transfer", "TRANSFER", ("rolled_back",),
-          "streamed transfer: SIGKILL the sending agent while the target pulls the image",
+    Fault("cut-transfer", "DUMP", ("rolled_back",),
+          "streamed transfer: SIGKILL the target's page server (criu page-server) while the dump "
+          "streams the worker's memory into it; the dump fails, the source runs on",
           transfer=TransferMode.STREAM),
     Fault("flip-byte", "RESTORE", ("rolled_back",),
           "flip one byte in the middle of the largest image file after DUMP, before RESTORE "
@@ -88,6 +94,26 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "otherwise the move completes and the controller replaces the lost worker from its "
           "last image. Either way it must end up serving on a live node",
           destructive=True),
+    # post-copy (issue 14): the keeper on the target paces the background transfer (throttle:
+    # 1 GB takes ~10 s) so that the fault lands while the memory is still on its way
+    Fault("postcopy-kill-target", "RELEASE", ("rolled_back",),
+          "post-copy: SIGKILL the restored copy (its cell's init) after the switch while its memory "
+          "still arrives; the frozen source resumes and the router goes back to it",
+          transfer=TransferMode.POSTCOPY, controller_faults=(("postcopy", (("throttle_bps", 1e8),)),)),
+    Fault("postcopy-network-cut", "RELEASE", ("rolled_back",),
+          "post-copy: drop every packet to and from the source's page server (iptables, its port) "
+          "after the switch; the target's keeper hears nothing for stall_s and kills the copy before "
+          "it can run on without its memory; the source's lazy dump is cut loose (ss -K) and the "
+          "source resumes; the rule is removed afterwards",
+          transfer=TransferMode.POSTCOPY,
+          controller_faults=(("postcopy", (("throttle_bps", 1e8), ("stall_s", 1.5))),)),
+    Fault("postcopy-source-loss", "RELEASE", ("failed",),
+          "post-copy: the source node dies after the switch (its lazy dump, the page server, and its "
+          "raylet SIGKILLed): the copy on the target cannot get the rest of its memory and its keeper "
+          "kills it at once; the worker is lost and replaced, from its last kept image or cold "
+          "(post-copy's known risk, docs/snapshots.md)",
+          transfer=TransferMode.POSTCOPY, controller_faults=(("postcopy", (("throttle_bps", 1e8),)),),
+          destructive=True, lost_node="src", serve_target_s=180.0),
     Fault("fail-make-room-move", "DUMP", ("rolled_back",),
           "a make-room launch (a node-sized worker on a fragmented cluster) whose first live move "
           "fails at the end of DUMP (controller fault hook `dump`): the move rolls back, the plan "

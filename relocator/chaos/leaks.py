@@ -2,7 +2,9 @@
 
 Kinds: `cells` (recorded under each node's state dir), `netns` (`ip netns` entries `rl-*`),
 `images` (directories under each node's images dir), `placement_groups` (`relocator-*`, not
-removed), `processes` (vLLM processes started by this cluster that are in no recorded cell).
+removed), `processes` (vLLM processes started by this cluster that are in no recorded cell),
+`transfers` (CRIU page servers, lazy dumps, lazy-pages daemons and post-copy keepers working in
+this cluster's directories: each ends with its move).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import subprocess
 from pathlib import Path
 from typing import Any, Iterable
 
-KINDS = ("cells", "netns", "images", "placement_groups", "processes")
+KINDS = ("cells", "netns", "images", "placement_groups", "processes", "transfers")
 
 
 def diff_leaks(before: dict[str, Iterable[str]], after: dict[str, Iterable[str]],
@@ -100,6 +102,24 @@ def engine_processes(base: Path, live_cells: Iterable[Any]) -> set[str]:
     return out
 
 
+def transfer_processes(base: Path) -> set[str]:
+    """`criu page-server`, `criu dump --lazy-pages`, `criu lazy-pages` and post-copy keepers
+    whose directories are under `base`."""
+    from relocator.procs import process_table
+
+    base_s = str(Path(base).resolve())
+    out = set()
+    for pid, (_, argv) in process_table().items():
+        if not argv or not any(base_s in a for a in argv):
+            continue
+        criu = argv[0].endswith("criu") and (
+            "page-server" in argv[1:2] or "lazy-pages" in argv[1:2] or "--lazy-pages" in argv and "dump" in argv[1:2])
+        keeper = "relocator.agent.postcopy" in argv
+        if criu or keeper:
+            out.add(f"{pid}:{'keeper' if keeper else 'criu ' + argv[1]}")
+    return out
+
+
 def _foreign_netns(name: str, base: Path) -> bool:
     """A namespace whose processes belong to another cluster (same cell name elsewhere)."""
     from relocator.cell import netns as ns
@@ -126,5 +146,5 @@ def collect(base: str | Path, with_ray: bool = True, netns_names: set[str] | Non
         ns = {n for n in ns & set(netns_names) if not _foreign_netns(n, base)}
     snap = {"cells": set(cs), "netns": ns, "images": images(base),
             "placement_groups": placement_groups() if with_ray else set(),
-            "processes": engine_processes(base, cs.values())}
+            "processes": engine_processes(base, cs.values()), "transfers": transfer_processes(base)}
     return snap

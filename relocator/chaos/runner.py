@@ -13,6 +13,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import threading
 import time
 import urllib.request
@@ -183,6 +184,7 @@ class Injector:
         self.injected = False
         self.at: float | None = None  # wall time of the injection
         self.detail: dict[str, Any] = {}
+        self._cleanups: list[Callable[[], Any]] = []  # undone once the move has ended
 
     def ready(self, rel: dict) -> bool:
         return rel.get("phase") == self.fault.phase and rel.get("result") == "running"
@@ -225,9 +227,85 @@ class Injector:
         self._kill_agent(rel["src"], criu_dump_running=seen)
 
     def _cut_transfer(self, rel: dict, still) -> None:
-        if still().get("phase") != "TRANSFER":
+        """The target's page server, once the dump's pages flow into it."""
+        rid = rel["id"]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and still().get("phase") == "DUMP":
+            for pid in criu_processes(process_table(), "page-server", rid):
+                img = Path(rel.get("dst_image_dir") or "")
+                got = sum(p.stat().st_size for p in img.glob("pages-*.img")) if img.is_dir() else 0
+                if got > (8 << 20) and _kill(pid):
+                    self._mark(killed="target page server", pid=pid, bytes_received=got)
+                    return
+            time.sleep(0.005)
+
+    def _postcopy_session(self, rel: dict, still, timeout: float = 20.0) -> dict | None:
+        """The post-copy state of the move's target copy once its keeper relays pages."""
+        from relocator.agent.postcopy import read_state
+
+        cdir = self.base / "nodes" / rel["dst"] / "state" / "cells" / rel["dst_cell"]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and still().get("phase") == self.fault.phase:
+            st = read_state(cdir) or {}
+            if st.get("state") == "running" and st.get("page_bytes", 0) > 0:
+                return st
+            if st.get("state") in ("done", "failed"):
+                return None
+            time.sleep(0.01)
+        return None
+
+    def _postcopy_kill_target(self, rel: dict, still) -> None:
+        st = self._postcopy_session(rel, still)
+        cell_json = self.base / "nodes" / rel["dst"] / "state" / "cells" / rel["dst_cell"] / "cell.json"
+        if st is None or not cell_json.exists():
             return
-        self._kill_agent(rel["src"], side="sender")
+        init = json.loads(cell_json.read_text())["init_pid"]
+        if _kill(int(init)):
+            self._mark(killed="target copy during post-copy", pid=init, page_bytes=st.get("page_bytes"),
+                       lazy_bytes=st.get("lazy_bytes"))
+
+    def _postcopy_network_cut(self, rel: dict, still) -> None:
+        st = self._postcopy_session(rel, still)
+        port = (rel.get("postcopy") or {}).get("port")
+        if st is None or not port:
+            return
+        tag = f"relocator-chaos-{rel['id']}"
+        rules = [["-p", "tcp", "--dport", str(port)], ["-p", "tcp", "--sport", str(port)]]
+        for r in rules:
+            subprocess.run(["iptables", "-I", "INPUT", *r, "-m", "comment", "--comment", tag, "-j", "DROP"],
+                           check=True, capture_output=True)
+        self._cleanups.append(lambda: [subprocess.run(
+            ["iptables", "-D", "INPUT", *r, "-m", "comment", "--comment", tag, "-j", "DROP"], capture_output=True)
+            for r in rules])
+        self._mark(cut=f"tcp port {port} (the source's page server)", page_bytes=st.get("page_bytes"),
+                   lazy_bytes=st.get("lazy_bytes"))
+
+    def _postcopy_source_loss(self, rel: dict, still) -> None:
+        import ray
+
+        st = self._postcopy_session(rel, still)
+        if st is None:
+            return
+        node = rel["src"]
+        # the node's page server first (it dies with the node), then the node itself
+        dumps = criu_processes(process_table(), "dump", "--lazy-pages", rel["id"])
+        for pid in dumps:
+            _kill(pid)
+        ids = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and f"relocator_node:{node}" in n.get("Resources", {})]
+        for pid, (_, argv) in process_table().items():
+            if ids and argv and "raylet" in argv[0] and any(f"--node_id={ids[0]}" in a for a in argv):
+                _kill(pid)
+                self._mark(node=node, raylet_pid=pid, lazy_dumps=dumps, page_bytes=st.get("page_bytes"),
+                           lazy_bytes=st.get("lazy_bytes"))
+                return
+
+    def cleanup(self) -> None:
+        for fn in self._cleanups:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001
+                pass
+        self._cleanups.clear()
 
     def _flip_byte(self, rel: dict, still) -> None:
         img = Path(rel.get("dst_image_dir") or rel["image_dir"])
@@ -411,6 +489,8 @@ def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConf
             probe.add(rel.get("dst_endpoint"))
         time.sleep(0.02)
         rel = still()
+    if inj:
+        inj.cleanup()
     timed_out = rel.get("result") == "running"
     node_alive = True
     lost_at = None
@@ -423,7 +503,7 @@ def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConf
             nodes = {n["id"]: n for n in st["nodes"]}
             w = next((x for x in st["workers"] if x["id"] == worker["id"]), None)
             node_alive = bool(w) and nodes.get(w["node"], {}).get("alive", False)
-            lost_at = nodes.get(rel.get("dst"), {}).get("lost_at")
+            lost_at = nodes.get(rel.get(fault.lost_node), {}).get("lost_at")
             if probe and w and w.get("endpoint"):
                 probe.add(w["endpoint"])
             if lost_at and node_alive and w["state"] in ("running", "failed"):
@@ -788,7 +868,8 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
             o = check_outcome(f, m, injected=m.get("injected", True), serving=m["serving"],
                               worker_node_alive=m.get("worker_node_alive", True),
                               serve_again_s=m.get("serve_again_s"), failed_requests=by_fault.get(m.get("fault") or "", 0)
-                              if f else 0, leaked=None, serve_target_s=cfg.serve_target_s)
+                              if f else 0, leaked=None,
+                              serve_target_s=(f.serve_target_s if f and f.serve_target_s else cfg.serve_target_s))
             outcomes.append({**o.to_dict(), "step": m["step"], "serve_again_s": m.get("serve_again_s"),
                              "source_serving_s": m.get("source_serving_s"), "injected": m.get("injected"),
                              "detail": m.get("detail")})

@@ -9,13 +9,24 @@ import time
 from typing import TYPE_CHECKING
 
 from relocator.agent.agent import NAMESPACE, agent_name
-from relocator.controller.model import FailureReason, WorkerRecord, tokenizer_of
+from relocator.controller.model import FailureReason, TransferMode, WorkerRecord, tokenizer_of
 
 if TYPE_CHECKING:
     from relocator.controller.controller import Controller
 
 AGENT_TIMEOUT_S = 600.0
 NODE_CHECK_S = 1.0  # how often a waiting agent call asks whether the node is still alive
+
+
+def postcopy_problems(src_info: dict, dst_info: dict) -> list[str]:
+    """Why a post-copy from the node of `src_info` to that of `dst_info` (agents'
+    transfer_info) cannot run; empty: it can."""
+    out = []
+    if not dst_info.get("uffd_noncoop", [False])[0]:
+        out.append(f"target: no non-cooperative userfaultfd ({dst_info.get('uffd_noncoop', ['', '?'])[1]})")
+    if not src_info.get("lazy_dump_pipes", [False])[0]:
+        out.append(f"source: {src_info.get('lazy_dump_pipes', ['', '?'])[1]}")
+    return out
 
 
 class NodeLost(RuntimeError):
@@ -152,16 +163,78 @@ class RayBackend:
         self._router(worker_id, lambda rc: rc.release(worker_id))
 
     # -- agents --------------------------------------------------------------------------------
-    def dump(self, node: str, cell_id: str, image_dir: str) -> dict:
+    def dump(self, node: str, cell_id: str, image_dir: str, page_server: dict | None = None) -> dict:
+        if page_server is not None:
+            return self.call(node, "dump", cell_id, image_dir, page_server=page_server)
         return self.call(node, "dump", cell_id, image_dir)
+
+    # -- transfer modes (relocator.agent.transfers) ---------------------------------------------
+    def shared_storage(self, src: str, dst: str) -> bool:
+        """Whether `dst` sees `src`'s image store (a token written by one, read by the other)."""
+        probe = self.call(src, "store_token", timeout=30)
+        try:
+            return bool(self.call(dst, "sees", probe["path"], probe["token"], timeout=30))
+        finally:
+            try:
+                self.call(src, "drop_token", probe["path"], timeout=30)
+            except Exception:  # noqa: BLE001 - a leftover probe file is harmless
+                pass
+
+    def transfer_plan(self, worker: WorkerRecord, dst: str, requested: TransferMode) -> tuple[TransferMode, str]:
+        """The mode for a move of `worker` to `dst`: `auto` resolved (shared when both see the
+        image store, postcopy when both nodes' kernels and CRIU allow it, else stream); an
+        explicit postcopy that a node cannot do is refused before anything moves."""
+        from relocator.controller.machine import PlanError
+
+        requested = TransferMode(requested)
+        if requested in (TransferMode.SHARED, TransferMode.STREAM):
+            return requested, ""
+        src_info = self.call(worker.node, "transfer_info", timeout=60)
+        dst_info = self.call(dst, "transfer_info", timeout=60)
+        problems = postcopy_problems(src_info, dst_info)
+        if requested is TransferMode.POSTCOPY:
+            if problems:
+                raise PlanError("transfer postcopy is not possible: " + "; ".join(problems))
+            return requested, ""
+        if self.shared_storage(worker.node, dst):
+            return TransferMode.SHARED, f"{dst} sees {worker.node}'s image store"
+        if not problems:
+            return TransferMode.POSTCOPY, "no shared image store; both kernels support post-copy"
+        return TransferMode.STREAM, "no shared image store; no post-copy: " + "; ".join(problems)
+
+    def open_page_server(self, node: str, image_dir: str) -> dict:
+        return self.call(node, "open_page_server", image_dir, timeout=60)
+
+    def dump_lazy(self, node: str, cell_id: str, image_dir: str) -> dict:
+        return self.call(node, "dump_lazy", cell_id, image_dir)
+
+    def postcopy_status(self, node: str, cell_id: str) -> dict:
+        return self.call(node, "postcopy_status", cell_id, timeout=30)
+
+    def postcopy_wait(self, node: str, cell_id: str, timeout: float = 1.0) -> dict:
+        """The target's post-copy, once ended or after `timeout`; a lost target node counts as
+        the copy being gone."""
+        try:
+            return self.call(node, "postcopy_wait", cell_id, timeout, timeout=timeout + 30)
+        except NodeLost:
+            return {"state": "failed", "why": "target", "error": f"target node {node} lost"}
+
+    def lazy_dump_wait(self, node: str, cell_id: str, timeout: float = 1.0) -> dict:
+        try:
+            return self.call(node, "lazy_dump_wait", cell_id, timeout, timeout=timeout + 30)
+        except NodeLost:
+            return {"done": True, "lost": True}
 
     def transfer(self, src: str, dst: str, image_dir: str, dst_image_dir: str) -> dict:
         return self.call(dst, "receive_image", src, image_dir, dst_image_dir)
 
     def restore(self, node: str, image_dir: str, cell_id: str, verified: bool = False,
-                gpu_ids: list[int] | None = None) -> dict:
+                gpu_ids: list[int] | None = None, page_source: dict | None = None) -> dict:
         # "auto": a streamed image was hashed on arrival and stamped, a dump on this host
         # stamped its own files; anything else is hashed again before it is restored
+        if page_source is not None:
+            return self.call(node, "restore", image_dir, cell_id, verify="auto", gpu_ids=gpu_ids,
+                             page_source=page_source)
         return self.call(node, "restore", image_dir, cell_id, verify="auto", gpu_ids=gpu_ids)
 
     def cell_state(self, node: str, cell_id: str) -> str:

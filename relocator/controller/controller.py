@@ -817,18 +817,32 @@ class Controller:
             raise
         return w
 
+    def _image_travels(self, src: str, dst: str) -> bool:
+        """Whether an image on `src` must be sent to `dst` (the cluster's transfer mode; with
+        `auto`, whether `dst` sees `src`'s image store)."""
+        if self.transfer is TransferMode.SHARED:
+            return False
+        if self.transfer is TransferMode.AUTO:
+            try:
+                return not self.backend.shared_storage(src, dst)
+            except Exception:  # noqa: BLE001 - unknown: send it (always correct)
+                return True
+        return True
+
     def _restore_claimed(self, w: WorkerRecord, demand: Demand, t0: float, extra: dict | None = None) -> dict:
         node = w.node
         try:
             image = w.image
-            if self.transfer is TransferMode.STREAM and node != w.image_node:
+            travels = node != w.image_node and self._image_travels(w.image_node, node)
+            if travels:  # a suspended worker's image is on disk: the chunked, checksummed stream
                 image = str(self.node_dir(node) / "images" / Path(w.image).name)
                 self.backend.transfer(w.image_node, node, w.image, image)
             info = self.backend.restore(node, image, w.cell_id, gpu_ids=w.gpu_ids or None)
             w.endpoint = info["endpoint"]
             self.backend.switch(w.id, w.endpoint)  # registers it again if the router forgot it
             suspended_s = round(time.time() - (w.suspended_at or time.time()), 3)
-            keep = bool(self.config.get("keep_last_image", True)) and self.transfer is TransferMode.SHARED
+            keep = bool(self.config.get("keep_last_image", True)) and not travels and (
+                self.transfer is not TransferMode.STREAM and self.transfer is not TransferMode.POSTCOPY)
             if keep:
                 self._drop_last_image(w)
                 w.last_image, w.last_image_node = w.image, w.image_node

@@ -59,6 +59,20 @@ class TargetLost(RelocationError):
     reason = FailureReason.TARGET_LOST
 
 
+class PostCopyFailed(RelocationError):
+    """`transfer: postcopy`: the memory did not all arrive after the switch. `why`: target (the
+    copy died), source (its page server went away: node lost), stall (no answer: network cut),
+    daemon (the lazy-pages daemon failed). The target copy was killed by its keeper (it must
+    not run on without its memory); the move rolls back to the frozen source, or, the source
+    lost too, the worker is lost and replaced."""
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why
+        self.reason = FailureReason.TARGET_LOST if why == "target" else (
+            FailureReason.NODE_LOST if why == "source" else FailureReason.ERROR)
+
+
 class SimulatedCrash(BaseException):
     """Raised by a test's crash hook: the machine stops dead, as if its process had died."""
 
@@ -73,6 +87,9 @@ class PhaseFault(Choice):
 
 #: fault hooks that act when a phase starts: {"phase": PHASE, ...}
 HOOKS = ("crash", "pause")
+#: post-copy knobs for tests and chaos: {"postcopy": {"throttle_bps": 2e8, "stall_s": 2}}: the
+#: target's keeper paces the background transfer (a window to act on) / declares a cut sooner
+POSTCOPY_KNOBS = ("throttle_bps", "stall_s")
 
 
 def check_faults(faults: dict[str, Any] | None) -> dict[str, Any]:
@@ -80,11 +97,15 @@ def check_faults(faults: dict[str, Any] | None) -> dict[str, Any]:
     A wrong name is refused (ValueError naming the valid ones), never ignored."""
     out = dict(faults or {})
     for key, value in out.items():
-        if key in HOOKS:
+        if key == "postcopy":
+            if not isinstance(value, dict) or any(k not in POSTCOPY_KNOBS or not isinstance(v, (int, float))
+                                                  for k, v in value.items()):
+                raise ValueError(f"fault 'postcopy' takes numbers for {', '.join(POSTCOPY_KNOBS)}, not {value!r}")
+        elif key in HOOKS:
             if not isinstance(value, dict) or value.get("phase") not in PHASES:
                 raise ValueError(f"fault {key!r} needs {{'phase': one of {', '.join(PHASES)}}}, not {value!r}")
         elif key not in PhaseFault.values():
-            raise ValueError(f"unknown fault {key!r}; valid: {', '.join(PhaseFault.values() + HOOKS)}")
+            raise ValueError(f"unknown fault {key!r}; valid: {', '.join(PhaseFault.values() + HOOKS + ('postcopy',))}")
     return out
 
 
@@ -101,8 +122,16 @@ class Backend(Protocol):
     def switch(self, worker_id: str, endpoint: str) -> dict: ...
     def release(self, worker_id: str) -> None: ...
     # agents
-    def dump(self, node: str, cell_id: str, image_dir: str) -> dict: ...
+    def dump(self, node: str, cell_id: str, image_dir: str) -> dict: ...  # + page_server=dict (stream)
     def transfer(self, src: str, dst: str, image_dir: str, dst_image_dir: str) -> dict: ...
+    # transfer modes other than shared (relocator.agent.transfers): the mode for `auto` and
+    # why, or PlanError; stream's page server on the target; postcopy's lazy dump and waits
+    def transfer_plan(self, worker: WorkerRecord, dst: str, requested: TransferMode) -> tuple[TransferMode, str]: ...
+    def open_page_server(self, node: str, image_dir: str) -> dict: ...
+    def dump_lazy(self, node: str, cell_id: str, image_dir: str) -> dict: ...
+    def postcopy_status(self, node: str, cell_id: str) -> dict: ...
+    def postcopy_wait(self, node: str, cell_id: str, timeout: float = 1.0) -> dict: ...
+    def lazy_dump_wait(self, node: str, cell_id: str, timeout: float = 1.0) -> dict: ...
     def restore(self, node: str, image_dir: str, cell_id: str, verified: bool = False,
                 gpu_ids: list[int] | None = None) -> dict: ...
     def cell_state(self, node: str, cell_id: str) -> str: ...  # running | stopped | absent | lost
@@ -125,7 +154,7 @@ class Machine:
                  on_crash: Callable[[float], None] = _default_crash,
                  on_update: Callable[[Relocation], None] | None = None,
                  on_event: Callable[[EventKind, dict[str, Any]], Any] | None = None,
-                 switch_retries: int = 3, router_retry_s: float = 5.0) -> None:
+                 switch_retries: int = 3, router_retry_s: float = 5.0, postcopy_timeout_s: float = 600.0) -> None:
         self.store = store
         self.backend = backend
         self.keep_images = keep_images
@@ -136,6 +165,7 @@ class Machine:
         self.on_event = on_event
         self.switch_retries = switch_retries
         self.router_retry_s = router_retry_s
+        self.postcopy_timeout_s = postcopy_timeout_s
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _save(self, rel: Relocation) -> None:
@@ -192,7 +222,7 @@ class Machine:
                 rel.error = f"{phase}: {exc}"
                 rel.reason = failure_reason(exc)
                 log.warning("relocation %s failed at %s: %s", rel.id, phase, exc)
-                if phase == "RELEASE":
+                if phase == "RELEASE" and not isinstance(exc, PostCopyFailed):
                     # the worker serves from its target; the stopped source is cleaned up later
                     return self._finish(rel, DONE)
                 if phase == "PLAN":  # nothing was touched (the worker is marked last)
@@ -232,6 +262,10 @@ class Machine:
         mismatches = self.backend.compatible(w, rel.dst)
         if mismatches:
             raise PlanError(f"{rel.dst} cannot restore {w.id}: " + "; ".join(mismatches))
+        requested = rel.transfer
+        why = ""
+        if rel.transfer in (TransferMode.AUTO, TransferMode.POSTCOPY):  # auto resolved; postcopy possible?
+            rel.transfer, why = self.backend.transfer_plan(w, rel.dst, rel.transfer)
         rel.src_cell, rel.src_endpoint, rel.src_reservation = w.cell_id, w.endpoint, w.reservation
         rel.dst_cell = f"{w.id}-{rel.id}"
         rel.image_dir = self.backend.image_dir(rel.src, rel.id)
@@ -239,7 +273,10 @@ class Machine:
                              else self.backend.image_dir(rel.dst, rel.id))
         w.state = "relocating"
         self.store.save_worker(w)
-        return {"to": rel.dst}
+        out = {"to": rel.dst, "transfer": rel.transfer.value}
+        if requested is not rel.transfer or why:
+            out.update(requested=requested.value, why=why)
+        return out
 
     def _p_reserve(self, rel: Relocation, w: WorkerRecord) -> dict:
         rel.reservation = f"relocator-{w.id}-{rel.id}"
@@ -253,8 +290,21 @@ class Machine:
         return {}
 
     def _p_dump(self, rel: Relocation, w: WorkerRecord) -> dict:
-        info = self.backend.dump(rel.src, rel.src_cell, rel.image_dir)
-        rel.image_bytes = int(info.get("bytes", 0))
+        mode = TransferMode(rel.transfer)
+        if mode is TransferMode.STREAM:
+            # the target's page server first: the memory goes there while CRIU reads it
+            ps = self.backend.open_page_server(rel.dst, rel.dst_image_dir)
+            info = self.backend.dump(rel.src, rel.src_cell, rel.image_dir, page_server=ps)
+            rel.image_bytes = int(info.get("bytes", 0))  # the small images; TRANSFER adds the pages
+        elif mode is TransferMode.POSTCOPY:
+            info = self.backend.dump_lazy(rel.src, rel.src_cell, rel.image_dir)
+            rel.image_bytes = int(info.get("bytes", 0)) + int(info.get("lazy_bytes", 0))
+            rel.postcopy = {"address": info["address"], "port": info["port"],
+                            "lazy_bytes": int(info.get("lazy_bytes", 0))}
+        else:
+            info = self.backend.dump(rel.src, rel.src_cell, rel.image_dir)
+            rel.image_bytes = int(info.get("bytes", 0))
+        self._save(rel)
         self._fault(rel, "DUMP")
         return info
 
@@ -262,17 +312,28 @@ class Machine:
         mode = TransferMode(rel.transfer)  # every mode handled below; an unknown one is refused
         if mode is TransferMode.SHARED:
             info: dict = {"skipped": "shared storage"}
-        elif mode is TransferMode.STREAM:
+        elif mode in (TransferMode.STREAM, TransferMode.POSTCOPY):
+            # stream: the images besides the memory the page server already has (completed and
+            # stamped there); postcopy: every image but the memory left in the source
             info = self.backend.transfer(rel.src, rel.dst, rel.image_dir, rel.dst_image_dir)
-        else:  # pragma: no cover - a mode added to TransferMode without its transfer
+            if mode is TransferMode.STREAM:
+                rel.image_bytes = int(info.get("bytes", rel.image_bytes))
+                self._save(rel)
+        else:  # pragma: no cover - a mode added to TransferMode without its transfer (auto is resolved)
             raise RelocationError(f"transfer mode {mode} has no implementation")
         self._fault(rel, "TRANSFER")
         return info
 
     def _p_restore(self, rel: Relocation, w: WorkerRecord) -> dict:
         # a streamed image was hashed byte by byte on arrival: no second pass over it
-        info = self.backend.restore(rel.dst, rel.dst_image_dir, rel.dst_cell,
-                                    verified=rel.transfer == TransferMode.STREAM, gpu_ids=rel.dst_gpu_ids or None)
+        if rel.transfer == TransferMode.POSTCOPY:
+            source = {"address": rel.postcopy["address"], "port": rel.postcopy["port"],
+                      **{k: v for k, v in (rel.faults.get("postcopy") or {}).items()}}
+            info = self.backend.restore(rel.dst, rel.dst_image_dir, rel.dst_cell, verified=True,
+                                        gpu_ids=rel.dst_gpu_ids or None, page_source=source)
+        else:
+            info = self.backend.restore(rel.dst, rel.dst_image_dir, rel.dst_cell,
+                                        verified=rel.transfer == TransferMode.STREAM, gpu_ids=rel.dst_gpu_ids or None)
         rel.dst_endpoint = info["endpoint"]
         self._save(rel)
         self._fault(rel, "RESTORE")
@@ -300,14 +361,73 @@ class Machine:
                 time.sleep(0.2 * (attempt + 1))
         else:
             raise RelocationError(f"router switch failed: {last}")
+        switched_at = time.time()
         self._target_alive(rel, "after the switch")
         w = self.store.worker(w.id) or w
+        if rel.transfer == TransferMode.POSTCOPY and "src_gpu_ids" not in rel.postcopy:
+            # a post-copy can still roll back after the switch: remember what the source had
+            rel.postcopy["src_gpu_ids"] = list(w.gpu_ids)
+            self._save(rel)
         w.node, w.cell_id, w.endpoint, w.reservation = rel.dst, rel.dst_cell, rel.dst_endpoint, rel.reservation
         w.gpu_ids = list(rel.dst_gpu_ids)
         self.store.save_worker(w)
-        return {"moved_streams": info.get("moved_streams"), "released": info.get("released")}
+        out = {"moved_streams": info.get("moved_streams"), "released": info.get("released")}
+        if rel.transfer == TransferMode.POSTCOPY and "bytes_at_switch" not in rel.postcopy:
+            try:
+                st = self.backend.postcopy_status(rel.dst, rel.dst_cell)
+            except Exception as exc:  # noqa: BLE001 - a figure only; RELEASE checks the post-copy
+                st = {"error": str(exc)}
+            rel.postcopy.update(bytes_at_switch=int(st.get("page_bytes", 0) or 0), switched_at=switched_at)
+            self._save(rel)
+            out["postcopy_bytes_at_switch"] = rel.postcopy["bytes_at_switch"]
+        return out
+
+    def _wait_postcopy(self, rel: Relocation) -> dict:
+        """RELEASE of a post-copy: the source stays frozen and resumable until every page has
+        arrived on the target (the target's keeper says done, the source's lazy dump ends)."""
+        t0 = time.monotonic()
+        while True:
+            st = self.backend.postcopy_wait(rel.dst, rel.dst_cell, timeout=1.0)
+            state = st.get("state")
+            if state == "done":
+                break
+            if state in ("failed", "absent"):
+                why = st.get("why") or ("target" if state == "absent" else "daemon")
+                rel.postcopy.update(failed=why, error=st.get("error", ""), page_bytes=int(st.get("page_bytes", 0) or 0))
+                self._save(rel)
+                raise PostCopyFailed(f"post-copy failed ({why}): {st.get('error') or state}", why)
+            if time.monotonic() - t0 > self.postcopy_timeout_s:
+                raise PostCopyFailed(f"post-copy not done after {self.postcopy_timeout_s:.0f}s", "stall")
+        page_bytes = int(st.get("page_bytes", 0) or 0)
+        started, ended = st.get("started_at"), st.get("ended_at")
+        rel.postcopy.update(
+            page_bytes=page_bytes,
+            pages_after_switch_bytes=max(0, page_bytes - int(rel.postcopy.get("bytes_at_switch", 0))),
+            postcopy_s=round(ended - started, 3) if started and ended else None,
+            after_switch_s=round(ended - rel.postcopy["switched_at"], 3) if ended and rel.postcopy.get("switched_at")
+            else None)
+        self._save(rel)
+        # the source's page server ends once the target closed its session: then the tree is
+        # stopped again and can go (a source node lost at this point no longer matters)
+        deadline = time.monotonic() + 30
+        src_done: dict = {}
+        while time.monotonic() < deadline:
+            try:
+                src_done = self.backend.lazy_dump_wait(rel.src, rel.src_cell, timeout=1.0)
+            except Exception as exc:  # noqa: BLE001
+                src_done = {"done": False, "error": str(exc)}
+                break
+            if src_done.get("done"):
+                break
+        self._target_alive(rel, "after the post-copy")
+        return {"postcopy_s": rel.postcopy.get("postcopy_s"), "page_bytes": page_bytes,
+                "pages_after_switch_bytes": rel.postcopy["pages_after_switch_bytes"],
+                "source_dump": src_done}
 
     def _p_release(self, rel: Relocation, w: WorkerRecord) -> dict:
+        info: dict = {}
+        if rel.transfer == TransferMode.POSTCOPY:
+            info = self._wait_postcopy(rel)
         self.backend.kill(rel.src, rel.src_cell)
         if rel.src_reservation:
             self.backend.free(rel.src_reservation)
@@ -321,7 +441,7 @@ class Machine:
                 self._remove_image(*old_image)
         w.state = "running"
         self.store.save_worker(w)
-        return {"kept_image": rel.image_dir} if keep else {}
+        return {**info, **({"kept_image": rel.image_dir} if keep else {})}
 
     def _remove_image(self, node: str, path: str) -> None:
         try:
@@ -397,6 +517,8 @@ class Machine:
         if w is not None:
             w.node, w.cell_id, w.endpoint = rel.src, rel.src_cell or w.cell_id, rel.src_endpoint or w.endpoint
             w.reservation = rel.src_reservation or w.reservation
+            if "src_gpu_ids" in rel.postcopy:  # a post-copy rolled back after its switch
+                w.gpu_ids = list(rel.postcopy["src_gpu_ids"])
             # a worker with no copy left is "lost": the controller's reconcile loop replaces it
             w.state = "running" if source_ok else "lost"
             if not source_ok:
@@ -442,6 +564,9 @@ class Machine:
                         rel.error = f"{phase} (recovery): {exc}"
                         if phase == "SWITCH":
                             return self.rollback(rel, I_SWITCH)
+                        if isinstance(exc, PostCopyFailed):
+                            rel.reason = exc.reason
+                            return self.rollback(rel, PHASES.index("RELEASE"))
                         return self._finish(rel, DONE)
                     self._leave(rel, True, info)
                 return self._finish(rel, DONE)
@@ -457,7 +582,7 @@ class Machine:
             self._release_worker(w)
 
 
-__all__ = ["Backend", "FaultInjected", "Machine", "PhaseFault", "PlanError", "RelocationError", "SimulatedCrash",
-           "TargetLost",
+__all__ = ["Backend", "FaultInjected", "Machine", "PhaseFault", "PlanError", "PostCopyFailed", "RelocationError",
+           "SimulatedCrash", "TargetLost",
            "check_faults",
            "RUNNING", "DONE", "ROLLED_BACK", "FAILED"]

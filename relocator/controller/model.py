@@ -42,10 +42,17 @@ def failure_reason(exc: BaseException) -> FailureReason:
 
 
 class TransferMode(Choice):
-    """How the TRANSFER phase gets the image to the target node."""
+    """How the image gets to the target node (docs/snapshots.md "Transfer modes")."""
 
     SHARED = "shared"  # every node sees the image directory: nothing to copy
-    STREAM = "stream"  # agent to agent, hashed as it arrives
+    # agent to agent: the memory through a page server on the target while CRIU dumps it,
+    # the other images chunked; every file hashed as it arrives
+    STREAM = "stream"
+    # the worker restarts on the target before its memory has arrived: pages come from the
+    # frozen source on demand and in the background; the source is released once all arrived
+    POSTCOPY = "postcopy"
+    # shared when both nodes see the image store, postcopy when both kernels allow it, else stream
+    AUTO = "auto"
 
 
 class WorkerState(Choice):
@@ -208,6 +215,9 @@ class Relocation:
     dst_image_dir: str = ""
     image_bytes: int = 0
     transfer: TransferMode = TransferMode.SHARED
+    # transfer: postcopy: the source's page server, page bytes at the switch and at the end,
+    # how long the target depended on the source (postcopy_s), why it failed
+    postcopy: dict[str, Any] = field(default_factory=dict)
     engine: str = ""  # the worker's engine (a metric label)
     reason: FailureReason = FailureReason.NONE  # set when it finishes
     reservation: str = ""  # the target's reservation (placement group name)
@@ -247,6 +257,7 @@ class Relocation:
                 "phase": self.phase, "result": self.result, "error": self.error,
                 "phases": self.phase_seconds(), "image_bytes": self.image_bytes,
                 "transfer": self.transfer, "engine": self.engine, "reason": self.reason,
+                "postcopy": self.postcopy,
                 "rollback": self.rollback, "recovered": self.recovered,
                 "created_at": self.created_at, "finished_at": self.finished_at}
 

@@ -1,17 +1,22 @@
-"""The one wrapper around the CRIU binary: version, check, dump and restore of a cell's tree."""
+"""The one wrapper around the CRIU binary: version, check, dump and restore of a cell's tree,
+and the long-running helpers of the streamed and post-copy transfers (page server, lazy dump,
+lazy-pages daemon)."""
 
 from __future__ import annotations
 
 import os
 import re
+import select
 import shutil
+import signal
+import socket
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 MIN_VERSION = (4, 2)
 NETNS_KEY = "cellnet"  # label of the cell's network namespace, external to the image
@@ -58,14 +63,8 @@ class DumpResult:
     seconds: float
 
 
-def dump(pid: int, image_dir: Path, netns_inode: int, leave_stopped: bool = True,
-         extra_args: Sequence[str] = ()) -> DumpResult:
-    """Checkpoint the tree rooted at host `pid` into `image_dir`.
-
-    The cell's network namespace is marked external (it is recreated on the target, with its own
-    address), so only the sockets go into the image. The tree is left stopped, not killed.
-    """
-    image_dir.mkdir(parents=True, exist_ok=True)
+def _dump_cmd(pid: int, image_dir: Path, netns_inode: int, leave_stopped: bool,
+              extra_args: Sequence[str]) -> list[str]:
     cmd = [
         criu_binary(), "dump", "-t", str(pid), "-D", str(image_dir), "-o", "dump.log", "-v2",
         "--tcp-established", "--link-remap", "--manage-cgroups=ignore",
@@ -76,7 +75,23 @@ def dump(pid: int, image_dir: Path, netns_inode: int, leave_stopped: bool = True
     ]
     if leave_stopped:
         cmd.append("--leave-stopped")
-    cmd += list(extra_args)  # e.g. a GPU cell's driver mounts, external (devices.criu_external_args)
+    return cmd + list(extra_args)  # e.g. a GPU cell's driver mounts, external (devices.criu_external_args)
+
+
+def dump(pid: int, image_dir: Path, netns_inode: int, leave_stopped: bool = True,
+         extra_args: Sequence[str] = (), page_server: tuple[str, int] | None = None) -> DumpResult:
+    """Checkpoint the tree rooted at host `pid` into `image_dir`.
+
+    The cell's network namespace is marked external (it is recreated on the target, with its own
+    address), so only the sockets go into the image. The tree is left stopped, not killed.
+    `page_server` (address, port): the memory pages (pagemap and pages images) go straight to
+    that page server as they are read (`criu page-server` on the target); only the other,
+    small images are written to `image_dir`.
+    """
+    image_dir.mkdir(parents=True, exist_ok=True)
+    cmd = _dump_cmd(pid, image_dir, netns_inode, leave_stopped, extra_args)
+    if page_server is not None:
+        cmd += ["--page-server", "--address", page_server[0], "--port", str(page_server[1])]
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     took = time.monotonic() - start
@@ -86,7 +101,7 @@ def dump(pid: int, image_dir: Path, netns_inode: int, leave_stopped: bool = True
 
 
 def restore(image_dir: Path, netns_path: str, pidfile: Path, log_dir: Path,
-            extra_args: Sequence[str] = ()) -> int:
+            extra_args: Sequence[str] = (), lazy: bool = False) -> int:
     """Restore the tree from `image_dir` into the network namespace at `netns_path`.
 
     Runs CRIU inside a throw-away private mount namespace with `/` bound as its root (CRIU
@@ -94,6 +109,11 @@ def restore(image_dir: Path, netns_path: str, pidfile: Path, log_dir: Path,
     are restored closed: they belonged to clients of the old place, and the engine then aborts
     the requests they carried instead of decoding for nobody. Returns the host PID of the
     restored tree's init; the tree is detached (not our child).
+
+    `lazy`: post-copy (`--lazy-pages`): the memory the image left out is registered with
+    userfaultfd and handed to the `criu lazy-pages` daemon already listening in `log_dir`
+    (`lazy_pages()`), which fills it from the source's page server on demand and in the
+    background; the tree runs before its memory has arrived.
     """
     pidfile.unlink(missing_ok=True)  # an existing pidfile makes CRIU kill what it restored
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -104,6 +124,8 @@ def restore(image_dir: Path, netns_path: str, pidfile: Path, log_dir: Path,
         "--root", str(root_bind), "-d", "--tcp-close", "--manage-cgroups=ignore",
         "--pidfile", str(pidfile), "--inherit-fd", f"fd[7]:{NETNS_KEY}", *extra_args,
     ]
+    if lazy:
+        criu.append("--lazy-pages")
     script = 'mount --bind / "$0" && exec 7<"$1" && shift && exec "$@"'
     try:
         proc = subprocess.run(
@@ -128,3 +150,172 @@ def unlock_network(netns: str) -> None:
         "nft delete table inet CRIU"
     )
     subprocess.run(["ip", "netns", "exec", netns, "sh", "-c", script], capture_output=True)
+
+
+# -- transfer helpers: page server, lazy dump, lazy-pages daemon, kernel features ----------------
+#: CRIU's page server tees up to PIPE_MAX_SIZE (819 pages, ~3.2 MiB) per request into a pipe it
+#: grows with F_SETPIPE_SZ; without CAP_SYS_RESOURCE the kernel caps that at fs.pipe-max-size
+#: (1 MiB by default) and CRIU (4.2.1) ignores the failure, then fails the first large request
+#: of a lazy dump with "tee: 65536: Operation not permitted".
+LAZY_PIPE_BYTES = 4 << 20
+CAP_SYS_RESOURCE = 24
+
+
+@lru_cache(maxsize=16)
+def feature(name: str) -> tuple[bool, str]:
+    """`criu check --feature NAME`: (supported, CRIU's words)."""
+    try:
+        binary = criu_binary()
+    except CriuError as exc:
+        return False, str(exc)
+    proc = subprocess.run([binary, "check", "--feature", name], capture_output=True, text=True)
+    out = " ".join((proc.stdout + proc.stderr).split())
+    bad = proc.returncode != 0 or re.search(r"not supported|is OFF|unsupported|Error", out)
+    return (not bad), out or f"exit {proc.returncode}"
+
+
+def _has_cap(bit: int) -> bool:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> bit & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def lazy_dump_pipes() -> tuple[bool, str]:
+    """Whether a lazy dump (the source of a post-copy) can serve large page requests here."""
+    if _has_cap(CAP_SYS_RESOURCE):
+        return True, "CAP_SYS_RESOURCE (pipes of any size)"
+    try:
+        size = int(Path("/proc/sys/fs/pipe-max-size").read_text())
+    except (OSError, ValueError):
+        return False, "fs.pipe-max-size unreadable"
+    ok = size >= LAZY_PIPE_BYTES
+    return ok, (f"fs.pipe-max-size is {size} (>= {LAZY_PIPE_BYTES} needed without CAP_SYS_RESOURCE)")
+
+
+def free_port(address: str = "127.0.0.1") -> int:
+    """A TCP port free on `address` now (a helper binds it a moment later)."""
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+class CriuProcess:
+    """A long-running CRIU command (page server, lazy dump, lazy-pages daemon) started in its
+    own session, so that it outlives the agent that started it and no signal to the agent's
+    group reaches it. `start()` returns once CRIU reports itself ready on --status-fd (listening,
+    or connected and waiting), or raises CriuError with its log if it exits first."""
+
+    def __init__(self, argv: list[str], log: Path, what: str, cwd: str | Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.argv, self.log, self.what, self.cwd, self.env = argv, Path(log), what, cwd, env
+        self.proc: subprocess.Popen | None = None
+        self.started = 0.0
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self, timeout: float = 60.0) -> "CriuProcess":
+        r, w = os.pipe()
+        out = open(self.log.with_suffix(".out"), "ab")
+        try:
+            self.proc = subprocess.Popen(self.argv + ["--status-fd", str(w)], pass_fds=(w,), stdin=subprocess.DEVNULL,
+                                         stdout=out, stderr=out, cwd=self.cwd, env=self.env,
+                                         start_new_session=True)
+        finally:
+            os.close(w)
+            out.close()
+        self.started = time.monotonic()
+        try:
+            ready, _, _ = select.select([r], [], [], timeout)
+            got = os.read(r, 1) if ready else None
+        finally:
+            os.close(r)
+        if got == b"\0":
+            return self
+        if got is None:
+            self.kill()
+            raise CriuError(f"criu {self.what} not ready within {timeout:.0f}s", _log_tail(self.log))
+        rc = self.proc.wait()
+        raise CriuError(f"criu {self.what} exited before it was ready (exit {rc})", _log_tail(self.log))
+
+    def poll(self) -> int | None:
+        return self.proc.poll() if self.proc else None
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit status; raises subprocess.TimeoutExpired after `timeout`."""
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+    def log_tail(self) -> str:
+        return _log_tail(self.log)
+
+
+def _start_on_free_port(make: Callable[[int], CriuProcess], address: str, tries: int = 4) -> CriuProcess:
+    last: CriuError | None = None
+    for _ in range(tries):  # a port taken between free_port() and CRIU's bind: try another
+        try:
+            return make(free_port(address)).start()
+        except CriuError as exc:
+            last = exc
+            if "in use" not in str(exc):
+                raise
+    assert last is not None
+    raise last
+
+
+def page_server(image_dir: Path, address: str, port: int = 0) -> tuple[CriuProcess, int]:
+    """`criu page-server` writing the pages a remote dump sends into `image_dir` (one session:
+    it exits when the dump disconnects, 0 once every page was flushed). Returns it and its port."""
+    image_dir.mkdir(parents=True, exist_ok=True)
+
+    def make(p: int) -> CriuProcess:
+        proc = CriuProcess([criu_binary(), "page-server", "-D", str(image_dir), "-o", "page-server.log", "-v2",
+                            "--address", address, "--port", str(p)], image_dir / "page-server.log", "page-server")
+        proc.port = p  # type: ignore[attr-defined]
+        return proc
+
+    proc = make(port).start() if port else _start_on_free_port(make, address)
+    return proc, proc.port  # type: ignore[attr-defined]
+
+
+def lazy_dump(pid: int, image_dir: Path, netns_inode: int, address: str, port: int = 0,
+              extra_args: Sequence[str] = ()) -> tuple[CriuProcess, int]:
+    """The source side of a post-copy: `criu dump --lazy-pages`. Returns once every image but
+    the lazy memory is written to `image_dir` and CRIU listens on address:port; the tree stays
+    frozen while this process serves its memory to the target's lazy-pages daemon. It exits 0
+    when the daemon has every page (the tree is then left stopped), non-zero if the transfer
+    broke (the tree is then let run again: resume_source still has to unlock its network)."""
+    image_dir.mkdir(parents=True, exist_ok=True)
+
+    def make(p: int) -> CriuProcess:
+        cmd = _dump_cmd(pid, image_dir, netns_inode, True, extra_args)
+        proc = CriuProcess(cmd + ["--lazy-pages", "--address", address, "--port", str(p)],
+                           image_dir / "dump.log", "dump --lazy-pages")
+        proc.port = p  # type: ignore[attr-defined]
+        return proc
+
+    proc = make(port).start() if port else _start_on_free_port(make, address)
+    return proc, proc.port  # type: ignore[attr-defined]
+
+
+def lazy_pages(image_dir: Path, work_dir: Path, address: str, port: int, log: Path | None = None) -> CriuProcess:
+    """`criu lazy-pages`: waits in `work_dir` for `restore(lazy=True)` to hand it the restored
+    tree's userfaultfds, then fills the missing memory from the page server at address:port (a
+    fault first, everything else in the background) and exits once all of it has arrived."""
+    log = log or work_dir / "lazy-pages.log"
+    return CriuProcess([criu_binary(), "lazy-pages", "--page-server", "--address", address, "--port", str(port),
+                        "-D", str(image_dir), "-W", str(work_dir), "-o", str(log), "-v2"], log, "lazy-pages").start()

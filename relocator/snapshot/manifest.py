@@ -8,6 +8,7 @@ import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,7 +20,9 @@ SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 # CRIU's own logs and statistics are written after the fact and are not part of what is restored.
 STAMP = ".verified.json"
-_NOT_CHECKSUMMED = {MANIFEST, STAMP, "dump.log", "restore.log", "stats-restore"}
+# The page server's and a lazy dump's logs likewise (relocator.snapshot.criu.CriuProcess).
+_NOT_CHECKSUMMED = {MANIFEST, STAMP, "dump.log", "restore.log", "stats-restore", "dump.out", "page-server.log",
+                    "page-server.out"}
 
 
 class ImageError(RuntimeError):
@@ -43,6 +46,14 @@ class CellInfo(BaseModel):
     devices: dict[str, Any] = Field(default_factory=dict)
 
 
+class PagesMode(StrEnum):
+    """Where an image's memory pages are."""
+
+    LOCAL = "local"  # in this directory (pagemap-*.img, pages-*.img)
+    REMOTE = "remote"  # sent to a page server while dumping: this directory alone is incomplete
+    LAZY = "lazy"  # left in the frozen source, served to a post-copy restore on demand
+
+
 class Manifest(BaseModel):
     schema_version: int = SCHEMA_VERSION
     created_at: float = Field(default_factory=time.time)
@@ -50,12 +61,16 @@ class Manifest(BaseModel):
     fingerprint: Fingerprint
     cell: CellInfo
     timings: dict[str, float] = Field(default_factory=dict)
+    pages: PagesMode = PagesMode.LOCAL
     # sha256 (HMAC-SHA256 with RELOCATOR_IMAGE_KEY when set) of everything above: a manifest
     # edited by hand no longer matches it.
     digest: str = ""
 
     def compute_digest(self) -> str:
-        body = json.dumps(self.model_dump(exclude={"digest"}), sort_keys=True, separators=(",", ":")).encode()
+        # `pages` counts only when it is not the default, so manifests written before it existed
+        # keep their digest
+        exclude = {"digest"} | ({"pages"} if self.pages == PagesMode.LOCAL else set())
+        body = json.dumps(self.model_dump(exclude=exclude), sort_keys=True, separators=(",", ":")).encode()
         key = os.environ.get("RELOCATOR_IMAGE_KEY")
         if key:
             return hmac.new(key.encode(), body, hashlib.sha256).hexdigest()

@@ -14,7 +14,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 from adapters.base import EngineFingerprint, get_adapter
 from relocator.choices import Choice
@@ -27,6 +27,7 @@ from relocator.snapshot.manifest import (
     CellInfo,
     ImageError,
     Manifest,
+    PagesMode,
     hash_files,
     read_manifest,
     stamp_is_fresh,
@@ -106,15 +107,21 @@ def _shm_files(cell: Cell) -> set[str]:
         return set()
 
 
-def dump(cell: Cell, image_dir: Path, progress: Progress = _noop) -> Image:
-    """Checkpoint `cell` into `image_dir` (must not exist or be empty). The cell stays stopped."""
-    image_dir = Path(image_dir)
+def _check_dumpable(cell: Cell, image_dir: Path) -> None:
     if image_dir.exists() and any(image_dir.iterdir()):
         raise SnapshotError(f"{image_dir} is not empty; choose a new image directory")
     if not cell.is_alive():
         raise CellError(f"cell {cell.id} is not running (init pid {cell.init_pid})")
     if not cell.launch:
         raise SnapshotError(f"cell {cell.id} has no launch record; cannot fingerprint its engine")
+
+
+def _dump(cell: Cell, image_dir: Path, progress: Progress, run_criu: Callable[[int, list[str]], Any],
+          pages: PagesMode) -> tuple[Image, Any]:
+    """The dump around CRIU: fingerprint, CUDA checkpoint, `run_criu(netns_inode, extra_args)`,
+    the records resume_source needs, checksums of the files written here, manifest."""
+    image_dir = Path(image_dir)
+    _check_dumpable(cell, image_dir)
     timings: dict[str, float] = {}
     t0 = time.monotonic()
     progress("fingerprint", None)
@@ -130,13 +137,14 @@ def dump(cell: Cell, image_dir: Path, progress: Progress = _noop) -> Image:
     progress("criu dump", None)
     netns_inode = os.stat(f"/proc/{cell.init_pid}/ns/net").st_ino
     dump_args, _ = devices.criu_external_args(devices.DeviceProfile.from_dict(cell.devices))
+    t = time.monotonic()
     try:
-        result = criu.dump(cell.init_pid, image_dir, netns_inode, leave_stopped=True, extra_args=dump_args)
+        result = run_criu(netns_inode, dump_args)
     except criu.CriuError:
         if cuda_pids:
             cuda.restore(cuda_pids)
         raise
-    timings["criu_dump_s"] = result.seconds
+    timings["criu_dump_s"] = time.monotonic() - t
     # CRIU links unlinked files (semaphores) back under their names and, with --leave-stopped,
     # leaves those links behind; they must go before the source is resumed or dumped again.
     (cell.dir / "link_remaps.json").write_text(json.dumps(sorted(_shm_files(cell) - shm_before)))
@@ -160,10 +168,42 @@ def dump(cell: Cell, image_dir: Path, progress: Progress = _noop) -> Image:
         cell=CellInfo(engine=cell.engine, port=cell.port, launch=cell.launch, source_cell=cell.id,
                       devices=cell.devices or {}),
         timings=timings,
+        pages=pages,
     )
     write_manifest(image_dir, manifest)
     write_stamp(image_dir, manifest)  # the hashes were just taken from these very files
-    return Image(path=image_dir, manifest=manifest)
+    return Image(path=image_dir, manifest=manifest), result
+
+
+def dump(cell: Cell, image_dir: Path, progress: Progress = _noop,
+         page_server: tuple[str, int] | None = None) -> Image:
+    """Checkpoint `cell` into `image_dir` (must not exist or be empty). The cell stays stopped.
+
+    `page_server` (address, port): the memory goes straight to that page server (the target's,
+    relocator.agent.pagestream) while CRIU reads it; `image_dir` gets the other images only and
+    a manifest marked `pages: remote` (the receiver completes it with the pages it hashed)."""
+    image_dir = Path(image_dir)
+
+    def run(ino: int, args: list[str]) -> Any:
+        return criu.dump(cell.init_pid, image_dir, ino, leave_stopped=True, extra_args=args, page_server=page_server)
+
+    img, _ = _dump(cell, image_dir, progress, run, PagesMode.REMOTE if page_server else PagesMode.LOCAL)
+    return img
+
+
+def dump_lazy(cell: Cell, image_dir: Path, address: str, port: int = 0,
+              progress: Progress = _noop) -> tuple[Image, criu.CriuProcess, int]:
+    """The source of a post-copy: every image but the worker's anonymous memory into
+    `image_dir` (manifest marked `pages: lazy`), the tree frozen, its memory served on
+    address:port by the returned CRIU process until a lazy restore has all of it (then the
+    process exits 0 and the tree is stopped, as after `dump`). Returns (image, process, port)."""
+    image_dir = Path(image_dir)
+
+    def run(ino: int, args: list[str]) -> tuple[criu.CriuProcess, int]:
+        return criu.lazy_dump(cell.init_pid, image_dir, ino, address, port, extra_args=args)
+
+    img, (proc, bound) = _dump(cell, image_dir, progress, run, PagesMode.LAZY)
+    return img, proc, bound
 
 
 def resume_source(cell: Cell) -> None:
@@ -220,17 +260,37 @@ def _target_devices(source: devices.DeviceProfile, gpu_ids: list[int] | None) ->
         raise SnapshotError(f"cannot give the restored copy GPUs {ids}: {exc}") from None
 
 
-def restore(image: Image | Path, target: RestoreTarget | None = None, progress: Progress = _noop) -> Cell:
+class LazySource(Protocol):
+    """Post-copy: started in the new cell's directory before `criu restore --lazy-pages`
+    (relocator.agent.postcopy.TargetSession: the lazy-pages daemon and its keeper)."""
+
+    def start(self, image_dir: Path, cell_dir: Path) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+def restore(image: Image | Path, target: RestoreTarget | None = None, progress: Progress = _noop,
+            lazy: LazySource | None = None) -> Cell:
     """Verify `image` against this host and restore it into a new cell; returns the cell.
 
     Raises ImageError (corrupt, truncated or tampered image) or IncompatibleImage (with every
     mismatch) before anything is started; CriuError if CRIU fails. The source is never touched.
+    `lazy`: a post-copy restore of an image dumped with `dump_lazy` (required for one): the
+    tree runs at once and its memory keeps arriving after this returns.
     """
     target = target or RestoreTarget()
     path = Path(image) if isinstance(image, (str, Path)) else image.path
     if not path.is_dir():
         raise ImageError(f"{path}: no such image directory")
     manifest = read_manifest(path)  # (re)read: the files on disk are what gets restored
+    if manifest.pages == PagesMode.REMOTE:
+        raise ImageError(f"{path}: its memory pages were sent to a page server when it was dumped; "
+                         "restore the image where they arrived")
+    if manifest.pages == PagesMode.LAZY and lazy is None:
+        raise ImageError(f"{path}: a post-copy image (its memory stayed in the source); it can only be "
+                         "restored with the source's page server (transfer postcopy)")
+    if lazy is not None and manifest.pages != PagesMode.LAZY:
+        raise ImageError(f"{path}: not a post-copy image (pages: {manifest.pages})")
     image = Image(path=path, manifest=manifest)
     t0 = time.monotonic()
     mode = VerifyMode(target.verify)
@@ -269,8 +329,13 @@ def restore(image: Image | Path, target: RestoreTarget | None = None, progress: 
     progress("criu restore", None)
     t = time.monotonic()
     try:
-        pid = criu.restore(image.path, link.path, cdir / "init.pid", log_dir=cdir, extra_args=restore_args)
+        if lazy is not None:
+            lazy.start(image.path, cdir)
+        pid = criu.restore(image.path, link.path, cdir / "init.pid", log_dir=cdir, extra_args=restore_args,
+                           lazy=lazy is not None)
     except BaseException:
+        if lazy is not None:
+            lazy.abort()
         netns.delete(link.name)
         shutil.rmtree(cdir, ignore_errors=True)
         raise

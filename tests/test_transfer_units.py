@@ -1,0 +1,308 @@
+"""Pure parts of the transfer modes (issue 14): hashing page files as they grow, the streamed
+image's manifest completed on the target, CRIU's pagemap and stats images, the post-copy
+keeper's protocol follower and its relay (kill the copy first, then let the daemon go), the
+choice behind `transfer: auto`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from relocator.agent.pagestream import TailHasher, complete_manifest, is_page_file, landed
+from relocator.agent.postcopy import PSI, PS_IOV_CLOSE, PS_IOV_GET, Keeper, _Answers, _Requests, read_state
+from relocator.agent.transfer import TransferError, iter_chunks, receive_chunks
+from relocator.controller.backend import postcopy_problems
+from relocator.snapshot import images
+from relocator.snapshot.manifest import FileEntry, PagesMode, read_manifest
+
+
+# ------------------------------------------------------------------------------ tail hashing
+def test_tail_hasher_follows_a_growing_file(tmp_path: Path) -> None:
+    h = TailHasher(tmp_path, idle_s=0.001)
+    h.start()
+    data = os.urandom(3 << 20)
+    with open(tmp_path / "pages-1.img", "wb") as fh:
+        for i in range(0, len(data), 100_000):  # the writer appends while the hasher reads
+            fh.write(data[i:i + 100_000])
+            fh.flush()
+            time.sleep(0.001)
+    (tmp_path / "pagemap-1.img").write_bytes(b"map")
+    (tmp_path / "core-1.img").write_bytes(b"not a page file")
+    out = h.result()
+    assert set(out) == {"pages-1.img", "pagemap-1.img"}
+    assert out["pages-1.img"] == FileEntry(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+    assert out["pagemap-1.img"].sha256 == hashlib.sha256(b"map").hexdigest()
+    assert is_page_file("pages-65538.img") and not is_page_file("pages.json") and landed("page-server.log")
+
+
+def test_tail_hasher_refuses_a_file_changed_behind_it(tmp_path: Path) -> None:
+    h = TailHasher(tmp_path)
+    (tmp_path / "pages-1.img").write_bytes(b"x" * 1000)
+    h.start()
+    time.sleep(0.05)
+    with open(tmp_path / "pages-1.img", "r+b") as fh:  # truncated: no longer what was hashed
+        fh.truncate(10)
+    with pytest.raises(OSError, match="changed while it was hashed"):
+        h.result()
+
+
+# ----------------------------------------------------------------- the streamed image's manifest
+def _source_image(tmp_path: Path, pages: PagesMode) -> Path:
+    """A minimal image whose manifest says where its pages are (no CRIU needed)."""
+    from adapters.base import EngineFingerprint
+    from relocator.snapshot.fingerprint import Fingerprint, HostFingerprint
+    from relocator.snapshot.manifest import CellInfo, Manifest, hash_files, write_manifest
+
+    src = tmp_path / "src"
+    src.mkdir(parents=True)
+    (src / "core-1.img").write_bytes(b"core" * 100)
+    (src / "inventory.img").write_bytes(b"inv")
+    fp = Fingerprint(host=HostFingerprint(arch="x86_64", cpu_model="cpu", kernel="k", criu_version="4.2.1"),
+                     engine=EngineFingerprint(engine="vllm", engine_version="1", model_id="m", weight_sha256="w",
+                                              dtype="bfloat16", max_model_len=2048, tensor_parallel_size=1))
+    write_manifest(src, Manifest(files=hash_files(src), fingerprint=fp, pages=pages,
+                                 cell=CellInfo(engine="vllm", port=8000, source_cell="c1")))
+    return src
+
+
+def test_stream_lands_small_files_beside_the_pages_and_completes_the_manifest(tmp_path: Path) -> None:
+    src = _source_image(tmp_path, PagesMode.REMOTE)
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    page = os.urandom(8192)
+    (dst / "pages-65537.img").write_bytes(page)  # what the page server wrote
+    (dst / "page-server.log").write_text("log")
+    h = TailHasher(dst)
+    h.start()
+    pages = h.result()
+    out = receive_chunks(iter_chunks(src, chunk_bytes=64), dst, present=landed)
+    assert out["verified"] and out["files"] == 2
+    complete_manifest(dst, pages)
+    m = read_manifest(dst)
+    assert m.pages is PagesMode.LOCAL and set(m.files) == {"core-1.img", "inventory.img", "pages-65537.img"}
+    assert m.files["pages-65537.img"].sha256 == hashlib.sha256(page).hexdigest()
+    from relocator.snapshot.manifest import stamp_is_fresh, verify_files
+
+    assert stamp_is_fresh(dst, m)  # hashed on arrival: the restore does not hash again
+    verify_files(dst, m)
+    with open(dst / "pages-65537.img", "r+b") as fh:  # a flipped byte afterwards is caught
+        fh.write(b"\xff")
+    assert not stamp_is_fresh(dst, m)
+    from relocator.snapshot.manifest import ImageError
+
+    with pytest.raises(ImageError, match="corrupt"):
+        verify_files(dst, m)
+
+
+def test_stream_refuses_unexpected_files_and_a_local_manifest(tmp_path: Path) -> None:
+    src = _source_image(tmp_path, PagesMode.REMOTE)
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "core-1.img").write_bytes(b"left over")
+    with pytest.raises(TransferError, match="not empty"):
+        receive_chunks(iter_chunks(src), dst, present=landed)
+    local = _source_image(tmp_path / "b", PagesMode.LOCAL)
+    dst2 = tmp_path / "dst2"
+    receive_chunks(iter_chunks(local), dst2)
+    with pytest.raises(TransferError, match="not sent to a page server"):
+        complete_manifest(dst2, {})
+
+
+def test_manifest_digest_unchanged_for_local_pages(tmp_path: Path) -> None:
+    """`pages` joined the manifest after images existed: a local image's digest is as before."""
+    src = _source_image(tmp_path, PagesMode.LOCAL)
+    raw = json.loads((src / "manifest.json").read_text())
+    del raw["pages"], raw["digest"]
+    body = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+    assert read_manifest(src).digest == hashlib.sha256(body).hexdigest()
+
+
+def test_restore_refuses_images_whose_pages_are_elsewhere(tmp_path: Path) -> None:
+    from relocator.snapshot import ImageError, restore
+
+    with pytest.raises(ImageError, match="sent to a page server"):
+        restore(_source_image(tmp_path / "r", PagesMode.REMOTE))
+    with pytest.raises(ImageError, match="post-copy image"):
+        restore(_source_image(tmp_path / "l", PagesMode.LAZY))
+
+
+# -------------------------------------------------------------------------------- CRIU images
+def _img(path: Path, magic: int, entries: list[bytes], service: bool = False) -> None:
+    head = struct.pack("<II", images.IMG_SERVICE_MAGIC if service else images.IMG_COMMON_MAGIC, magic)
+    path.write_bytes(head + b"".join(struct.pack("<I", len(e)) + e for e in entries))
+
+
+def _varint(n: int) -> bytes:
+    out = b""
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out += bytes([b | (0x80 if n else 0)])
+        if not n:
+            return out
+
+
+def _field(num: int, val: int | bytes) -> bytes:
+    if isinstance(val, bytes):
+        return _varint(num << 3 | 2) + _varint(len(val)) + val
+    return _varint(num << 3) + _varint(val)
+
+
+def test_pagemap_counts_present_lazy_and_parent_pages(tmp_path: Path) -> None:
+    pe = lambda vaddr, n, flags: _field(1, vaddr) + _field(2, n) + _field(4, flags)  # noqa: E731
+    _img(tmp_path / "pagemap-7.img", 0x56084025, [
+        _field(1, 3),  # head: pages_id 3
+        pe(0x1000, 4, images.PE_PRESENT | images.PE_LAZY),  # in the image (lazily restorable)
+        pe(0x9000, 10, images.PE_LAZY),  # left in the source
+        pe(0x20000, 2, images.PE_PARENT),
+        pe(0x30000, 1, images.PE_PRESENT),
+    ])
+    s = images.pagemap(tmp_path / "pagemap-7.img")
+    assert (s.pages_id, s.present_pages, s.lazy_pages, s.parent_pages) == (3, 5, 10, 2)
+    assert images.lazy_bytes(tmp_path) == 10 * 4096
+    assert images.check_pages(tmp_path) == ["pagemap-7.img: pages-3.img is missing (20480 bytes expected)"]
+    (tmp_path / "pages-3.img").write_bytes(b"\0" * 5 * 4096)
+    assert images.check_pages(tmp_path) == []
+    (tmp_path / "pages-3.img").write_bytes(b"\0" * 4096)
+    assert "has 4096 bytes, its map says 20480" in images.check_pages(tmp_path)[0]
+    (tmp_path / "bad.img").write_bytes(b"\0" * 3)
+    with pytest.raises(images.ImageFormatError):
+        images.pagemap(tmp_path / "bad.img")
+
+
+def test_stats_images(tmp_path: Path) -> None:
+    restore = _field(1, 7) + _field(2, 0) + _field(3, 1500) + _field(4, 250000) + _field(5, 123456)
+    _img(tmp_path / "stats-restore", 0x57093306, [_field(2, restore)], service=True)
+    assert images.stats(tmp_path / "stats-restore") == {
+        "pages_compared": 7, "pages_skipped_cow": 0, "forking_time_us": 1500, "restore_time_us": 250000,
+        "pages_restored": 123456}
+
+
+# ------------------------------------------------------------------- the keeper's protocol
+def _req(cmd: int, nr: int = 0) -> bytes:
+    return PSI.pack(cmd, nr, 0x1000, 7)
+
+
+def test_protocol_follower_knows_what_is_owed() -> None:
+    reqs = _Requests()
+    ans = _Answers(reqs)
+    assert not ans.owed()
+    reqs.feed(_req(PS_IOV_GET, 2)[:10])  # a request split across reads
+    assert not ans.owed()
+    reqs.feed(_req(PS_IOV_GET, 2)[10:] + _req(PS_IOV_GET, 1))
+    assert ans.owed() and reqs.count == 2
+    answer = PSI.pack(6 | (4 << 16), 2, 0x1000, 7) + b"p" * 8192 + PSI.pack(6, 1, 0x3000, 7) + b"q" * 4096
+    for i in range(0, len(answer), 1000):  # in arbitrary pieces
+        ans.feed(memoryview(answer[i:i + 1000]))
+    assert ans.page_bytes == 3 * 4096 and not ans.owed()
+    reqs.feed(_req(PS_IOV_CLOSE))
+    assert ans.owed() and not ans.closed
+    ans.feed(memoryview(b"\0\0\0\0"))
+    assert ans.closed and not ans.owed()
+
+
+class _FakeSource:
+    """A page server answering GETs with `nr` pages each, until told to go silent or close."""
+
+    def __init__(self) -> None:
+        self.lst = socket.create_server(("127.0.0.1", 0))
+        self.port = self.lst.getsockname()[1]
+        self.mode = "answer"  # | "silent" | "close"
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        conn, _ = self.lst.accept()
+        buf = b""
+        while True:
+            data = conn.recv(4096)
+            if not data:
+                conn.close()
+                return
+            buf += data
+            while len(buf) >= PSI.size:
+                cmd, nr, vaddr, dst = PSI.unpack_from(buf)
+                buf = buf[PSI.size:]
+                if self.mode == "close":
+                    conn.close()
+                    return
+                if self.mode == "silent":
+                    continue
+                if cmd & 0xFFFF == PS_IOV_CLOSE:
+                    conn.sendall(b"\0\0\0\0")
+                else:
+                    conn.sendall(PSI.pack(6, nr, vaddr, dst) + b"m" * (nr * 4096))
+
+
+def _keeper(tmp_path: Path, source: _FakeSource, stall_s: float = 1.0):
+    """A Keeper relaying for a fake daemon (a socket here) and a fake tree (a sleep process)."""
+    import argparse
+
+    tree = subprocess.Popen(["sleep", "60"])
+    (tmp_path / "init.pid").write_text(str(tree.pid))
+    args = argparse.Namespace(cell_dir=str(tmp_path), image_dir=str(tmp_path), source="127.0.0.1",
+                              source_port=source.port, stall_s=stall_s, throttle_bps=0.0, lazy_bytes=0,
+                              connect_timeout=2.0, status_fd=-1)
+    k = Keeper(args)
+    k.daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    lst = socket.create_server(("127.0.0.1", 0))
+    up = socket.create_connection(("127.0.0.1", source.port))
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(rc=k.relay(lst, up)), daemon=True)
+    t.start()
+    daemon = socket.create_connection(lst.getsockname())
+    return k, tree, daemon, t, out
+
+
+def test_keeper_relays_and_counts_pages(tmp_path: Path) -> None:
+    src = _FakeSource()
+    k, tree, daemon, t, out = _keeper(tmp_path, src)
+    daemon.sendall(_req(PS_IOV_GET, 3))
+    got = b""
+    while len(got) < PSI.size + 3 * 4096:
+        got += daemon.recv(65536)
+    daemon.sendall(_req(PS_IOV_CLOSE))
+    assert daemon.recv(4) == b"\0\0\0\0"
+    k.daemon.kill()  # the daemon "exits" (rc -9 here: counted as a daemon failure, see below)
+    daemon.close()
+    t.join(10)
+    st = read_state(tmp_path)
+    assert st["page_bytes"] == 3 * 4096 and st["requests"] == 2
+    # the daemon did not exit 0: its userfaultfds are gone, the tree must not run on
+    assert st["state"] == "failed" and st["why"] == "daemon" and tree.wait(5) == -9
+
+
+@pytest.mark.parametrize("mode, why", [("close", "source"), ("silent", "stall")])
+def test_keeper_kills_the_copy_before_the_daemon_hears_of_a_lost_source(tmp_path: Path, mode: str, why: str) -> None:
+    src = _FakeSource()
+    k, tree, daemon, t, out = _keeper(tmp_path, src, stall_s=0.5)
+    src.mode = mode
+    t0 = time.monotonic()
+    daemon.sendall(_req(PS_IOV_GET, 1))
+    data = daemon.recv(65536)  # the daemon's link ends only after the tree is dead
+    assert data == b"" and tree.poll() == -9
+    t.join(10)
+    st = read_state(tmp_path)
+    assert st["state"] == "failed" and st["why"] == why and st["killed_pid"] == tree.pid, st
+    assert k.daemon.poll() is not None and out["rc"] == 6
+    if why == "stall":
+        assert 0.5 <= time.monotonic() - t0 < 5
+
+
+# ------------------------------------------------------------------------------ auto choice
+def test_postcopy_problems() -> None:
+    ok = {"uffd_noncoop": [True, "uffd-noncoop is supported"], "lazy_dump_pipes": [True, "fs.pipe-max-size is 4194304"]}
+    assert postcopy_problems(ok, ok) == []
+    no_uffd = {**ok, "uffd_noncoop": [False, "UFFD is not supported"]}
+    small = {**ok, "lazy_dump_pipes": [False, "fs.pipe-max-size is 1048576 (>= 4194304 needed)"]}
+    assert postcopy_problems(ok, no_uffd) == ["target: no non-cooperative userfaultfd (UFFD is not supported)"]
+    assert postcopy_problems(small, ok) == ["source: fs.pipe-max-size is 1048576 (>= 4194304 needed)"]
