@@ -58,7 +58,7 @@ async def _stream(client, model, prompt, progress=None):
     return text, usage
 
 
-def test_pinned_litellm_installed():
+async def test_pinned_litellm_installed():
     from importlib.metadata import version
 
     import subprocess
@@ -159,6 +159,11 @@ async def test_errors_and_unary_through_litellm(tmp_path):
         r = await client.chat.completions.create(model="fake", messages=msgs, max_tokens=3,
                                                  stream=True)
         assert "".join([x.choices[0].delta.content or "" async for x in r if x.choices])
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{cport}/metrics", timeout=5) as m:
+            text = m.read().decode()
+        assert 'relocator_router_requests_total{backend="w0",status="200"}' in text, text[:2000]
     finally:
         await rc.close()
         await client.close()

@@ -20,7 +20,8 @@ The routing table is fed by the same control API as the standalone router's
 (relocator.router.control), served from LiteLLM's event loop on `control_port` as soon as the
 proxy loads its config. Settings: `RouterSettings` from the YAML file named by
 RELOCATOR_GATEWAY_CONFIG (top level or under `router:`), then RELOCATOR_ROUTER_* variables
-(`backends`, `control_port`, `control_token`, `hold_timeout_s`, ...). Run LiteLLM with one
+(`backends`, `control_port`, `control_token`, `hold_timeout_s`, ...); the router's Prometheus
+metrics are served beside the control API (`GET /metrics`). Run LiteLLM with one
 worker process (its default): each process would hold a table of its own.
 """
 
@@ -32,6 +33,7 @@ import logging
 import os
 from typing import AsyncIterator
 
+from aiohttp import web
 from litellm.llms.custom_llm import CustomLLM, CustomLLMError
 from litellm.types.utils import GenericStreamingChunk, ModelResponse
 
@@ -73,7 +75,12 @@ class RelocatorLLM(CustomLLM):
                 rt = self.runtime()
                 rt.start()
                 control = ControlAPI(rt)
-                self.control_port = await serve_app(control.app(), control.host(),
+                app = control.app()
+                # the router's Prometheus metrics (relocator_router_*), beside its control API
+                app.router.add_get("/metrics", lambda _r: web.Response(
+                    body=rt.hooks.render(),
+                    headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}))
+                self.control_port = await serve_app(app, control.host(),
                                                     rt.settings.control_port)
                 log.warning("relocator plugin: control API on %s:%d, %d replicas",
                             control.host(), self.control_port, len(rt.table.replicas()))
