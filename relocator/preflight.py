@@ -126,7 +126,67 @@ def _python() -> list[Check]:
     return out
 
 
+def _fs_type(path: Path) -> str:
+    """The filesystem type of the mount holding `path` (longest matching mount point)."""
+    best, kind = "", "?"
+    try:
+        lines = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return kind
+    target = str(path.resolve())
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 3 and (target == parts[1] or target.startswith(parts[1].rstrip("/") + "/")) \
+                and len(parts[1]) >= len(best):
+            best, kind = parts[1], parts[2]
+    return kind
+
+
+#: filesystems that other hosts can mount too (an image store on one is "shared" across hosts)
+NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "ceph", "glusterfs", "fuse.sshfs", "lustre", "beegfs", "gpfs",
+              "fuse.juicefs", "9p", "virtiofs")
+
+
+def transfer_checks(image_store: Path | None = None) -> list[Check]:
+    """Which transfer modes this node can do, and why (docs/snapshots.md "Transfer modes");
+    warnings only: shared is the default and works within one machine."""
+    from relocator.snapshot import criu
+
+    try:
+        criu.criu_binary()
+    except criu.CriuError as exc:
+        return [Check(name="transfer modes", ok=False, detail=str(exc), fix="scripts/install-criu.sh", warning=True)]
+    store = image_store or Path(os.environ.get("RELOCATOR_IMAGE_STORE", "/var/lib/relocator"))
+    probe = store if store.exists() else store.parent
+    fs = _fs_type(probe)
+    shared = fs in NETWORK_FS
+    uffd_ok, uffd_words = criu.feature("uffd-noncoop")
+    pipes_ok, pipes_words = criu.lazy_dump_pipes()
+    dirty_ok, dirty_words = criu.feature("mem_dirty_track")
+    postcopy = uffd_ok and pipes_ok
+    pick = "shared (when both nodes see the image store), else " + ("postcopy" if postcopy else "stream")
+    return [
+        Check(name="transfer shared", ok=True, warning=True,
+              detail=f"{store} is on {fs}: " + ("other hosts can mount it" if shared else
+                                                 "shared only by nodes on this machine"),
+              fix="" if shared else "across hosts: an image store on NFS/Ceph/... mounted at the same path "
+                                    "on every node, or transfer stream/postcopy"),
+        Check(name="transfer stream (page server)", ok=True, warning=True,
+              detail="criu page-server straight into the target's image directory; no shared storage needed"),
+        Check(name="transfer postcopy (lazy pages)", ok=postcopy, warning=True,
+              detail=f"{uffd_words}; {pipes_words}",
+              fix="" if postcopy else ("a kernel with CONFIG_USERFAULTFD and unprivileged-or-root uffd" if not uffd_ok
+                                       else "sysctl -w fs.pipe-max-size=4194304 (scripts/install.sh makes it "
+                                            "permanent in /etc/sysctl.d)")),
+        Check(name="transfer pre-copy (dirty-page tracking)", ok=dirty_ok, warning=True,
+              detail=dirty_words if not dirty_ok else "supported (not used: relocator has no pre-copy mode yet)",
+              fix="" if dirty_ok else "a kernel with CONFIG_MEM_SOFT_DIRTY; without it the worker is frozen for "
+                                      "the whole dump (stream) or only for the non-memory state (postcopy)"),
+        Check(name="transfer auto picks", ok=True, warning=True, detail=pick),
+    ]
+
+
 def run_checks() -> list[Check]:
     checks = [Check(name="root", ok=os.geteuid() == 0, detail=f"euid {os.geteuid()}",
                     fix="cells and CRIU need root (namespaces, ptrace, mknod)")]
-    return checks + _kernel() + _tools() + _criu() + _python() + _lock()
+    return checks + _kernel() + _tools() + _criu() + _python() + _lock() + transfer_checks()

@@ -9,6 +9,14 @@ log() { printf '[install] %s\n' "$*" >&2; }
 
 bash "$ROOT/scripts/install-criu.sh"
 
+# transfer postcopy: a lazy dump's page server tees up to ~3.2 MiB per request; without
+# CAP_SYS_RESOURCE (containers, VMs) the kernel caps pipes at fs.pipe-max-size (1 MiB default)
+if [ "$(cat /proc/sys/fs/pipe-max-size 2>/dev/null || echo 0)" -lt 4194304 ]; then
+  log "raising fs.pipe-max-size to 4 MiB (post-copy relocation), kept in /etc/sysctl.d/60-relocator.conf"
+  echo "fs.pipe-max-size = 4194304" > /etc/sysctl.d/60-relocator.conf 2>/dev/null || true
+  sysctl -q -w fs.pipe-max-size=4194304 || log "could not raise fs.pipe-max-size: transfer postcopy unavailable"
+fi
+
 # Prometheus for the observability integration test (tests/test_observability_e2e.py starts
 # its own on loopback; the package's service is not started here)
 if ! command -v prometheus >/dev/null; then

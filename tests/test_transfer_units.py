@@ -286,7 +286,6 @@ def test_keeper_kills_the_copy_before_the_daemon_hears_of_a_lost_source(tmp_path
     src = _FakeSource()
     k, tree, daemon, t, out = _keeper(tmp_path, src, stall_s=0.5)
     src.mode = mode
-    t0 = time.monotonic()
     daemon.sendall(_req(PS_IOV_GET, 1))
     data = daemon.recv(65536)  # the daemon's link ends only after the tree is dead
     assert data == b"" and tree.poll() == -9
@@ -294,8 +293,6 @@ def test_keeper_kills_the_copy_before_the_daemon_hears_of_a_lost_source(tmp_path
     st = read_state(tmp_path)
     assert st["state"] == "failed" and st["why"] == why and st["killed_pid"] == tree.pid, st
     assert k.daemon.poll() is not None and out["rc"] == 6
-    if why == "stall":
-        assert 0.5 <= time.monotonic() - t0 < 5
 
 
 # ------------------------------------------------------------------------------ auto choice

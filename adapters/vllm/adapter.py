@@ -3,6 +3,7 @@ codec.py)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -75,6 +76,12 @@ class Adapter(EngineAdapter):
             # API server still runs the engine core in its own process.
             argv += ["--distributed-executor-backend", "uni"]
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        pool_mb = int(os.environ.get("RELOCATOR_KV_POOL_MB", "0") or 0)
+        if pool_mb > 0:
+            # a KV pool of that size, every page written (in the image): `relocator bench
+            # relocation --kv-pool-mb` measures how blackout grows with image size
+            argv += ["--kv-cache-memory-bytes", str(pool_mb << 20)]
+            env["RELOCATOR_LAZY_KV_POOL"] = "0"
         argv += spec.extra_args
         return argv, env
 
