@@ -81,8 +81,9 @@ async def load(url: str, headers: dict, concurrency: int, duration_s: float, tok
 def summary(runs: list[dict]) -> dict[str, Any]:
     ttfb = [x for r in runs for x in r["ttfb"]]
     done, secs = sum(r["done"] for r in runs), sum(r["seconds"] for r in runs)
-    return {"ttfb_p50_ms": round(_pct(ttfb, 50) * 1e3, 3),
-            "ttfb_p99_ms": round(_pct(ttfb, 99) * 1e3, 3),
+    # no sample (a window shorter than one request): null, not NaN (strict JSON)
+    return {"ttfb_p50_ms": round(_pct(ttfb, 50) * 1e3, 3) if ttfb else None,
+            "ttfb_p99_ms": round(_pct(ttfb, 99) * 1e3, 3) if ttfb else None,
             "req_per_s": round(done / secs, 1), "requests": done,
             "errors": sum(r["errors"] for r in runs)}
 
@@ -280,18 +281,26 @@ async def run(duration_s: float = 8.0, tokens: int = 16, move_tokens: int = 200,
             out[name]["move"] = await move_under_load(url, headers, control, mp, copy, refs,
                                                       move_tokens, move_concurrency)
         a, b = out["litellm"], out["litellm_plugin"]
-        out["plugin_vs_litellm"] = {
-            "added_ttfb_p50_ms_c1": round(b["c1"]["ttfb_p50_ms"] - a["c1"]["ttfb_p50_ms"], 3),
-            "added_ttfb_p50_ms_c64": round(b["c64"]["ttfb_p50_ms"] - a["c64"]["ttfb_p50_ms"], 3),
-            "throughput_ratio_c1": round(b["c1"]["req_per_s"] / max(a["c1"]["req_per_s"], 1e-9), 3),
-            "throughput_ratio_c64": round(b["c64"]["req_per_s"] / max(a["c64"]["req_per_s"], 1e-9),
-                                          3)}
+
+        def diff(c: str) -> float | None:
+            x, y = b[c]["ttfb_p50_ms"], a[c]["ttfb_p50_ms"]
+            return None if x is None or y is None else round(x - y, 3)
+
+        def ratio(c: str) -> float | None:
+            y = a[c]["req_per_s"]
+            return round(b[c]["req_per_s"] / y, 3) if y else None
+
+        out["plugin_vs_litellm"] = {"added_ttfb_p50_ms_c1": diff("c1"),
+                                    "added_ttfb_p50_ms_c64": diff("c64"),
+                                    "throughput_ratio_c1": ratio("c1"),
+                                    "throughput_ratio_c64": ratio("c64")}
         o = out["plugin_vs_litellm"]
         m = b["move"]
+        ratios = [r for r in (o["throughput_ratio_c1"], o["throughput_ratio_c64"]) if r is not None]
         out["targets"] = {
-            "plugin_added_ttfb_p50_c1_le_1ms": o["added_ttfb_p50_ms_c1"] <= 1.0,
-            "plugin_throughput_ge_95pct": min(o["throughput_ratio_c1"],
-                                              o["throughput_ratio_c64"]) >= 0.95,
+            "plugin_added_ttfb_p50_c1_le_1ms": o["added_ttfb_p50_ms_c1"] is not None and
+            o["added_ttfb_p50_ms_c1"] <= 1.0,
+            "plugin_throughput_ge_95pct": bool(ratios) and min(ratios) >= 0.95,
             "plugin_move_clean": m["client_errors"] == 0 and m["tokens_lost"] == 0 and
             m["tokens_mismatched_or_duplicated"] == 0}
     finally:
