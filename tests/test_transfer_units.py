@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from relocator.agent.pagestream import TailHasher, complete_manifest, is_page_file, landed
-from relocator.agent.postcopy import PSI, PS_IOV_CLOSE, PS_IOV_GET, Keeper, _Answers, _Requests, read_state
+from relocator.agent.postcopy import PSI, PS_IOV_CLOSE, PS_IOV_GET, Keeper, _Proxy, read_state
 from relocator.agent.transfer import TransferError, iter_chunks, receive_chunks
 from relocator.controller.backend import postcopy_problems
 from relocator.snapshot import images
@@ -192,22 +192,51 @@ def _req(cmd: int, nr: int = 0) -> bytes:
     return PSI.pack(cmd, nr, 0x1000, 7)
 
 
-def test_protocol_follower_knows_what_is_owed() -> None:
-    reqs = _Requests()
-    ans = _Answers(reqs)
-    assert not ans.owed()
-    reqs.feed(_req(PS_IOV_GET, 2)[:10])  # a request split across reads
-    assert not ans.owed()
-    reqs.feed(_req(PS_IOV_GET, 2)[10:] + _req(PS_IOV_GET, 1))
-    assert ans.owed() and reqs.count == 2
-    answer = PSI.pack(6 | (4 << 16), 2, 0x1000, 7) + b"p" * 8192 + PSI.pack(6, 1, 0x3000, 7) + b"q" * 4096
-    for i in range(0, len(answer), 1000):  # in arbitrary pieces
-        ans.feed(memoryview(answer[i:i + 1000]))
-    assert ans.page_bytes == 3 * 4096 and not ans.owed()
-    reqs.feed(_req(PS_IOV_CLOSE))
-    assert ans.owed() and not ans.closed
-    ans.feed(memoryview(b"\0\0\0\0"))
-    assert ans.closed and not ans.owed()
+def _answer(pid: int, vaddr: int, n: int, fill: bytes) -> bytes:
+    return PSI.pack(6 | (4 << 16), n, vaddr, pid) + fill * (n * 4096)
+
+
+def test_proxy_answers_the_daemon_in_the_order_it_asked() -> None:
+    """Pages fetched ahead answer at once, but never before an earlier request still waiting
+    on the source (the daemon matches answers to its requests by order)."""
+    px = _Proxy([(10, 0x10000, 3)], depth=4, cache_bytes=1 << 30)
+    assert px.next_prefetch() == [PSI.pack(PS_IOV_GET, 3, 0x10000, 10)]
+    ahead = _answer(10, 0x10000, 2, b"a")  # the source clamps: 2 of 3 pages, the rest asked next
+    more = px.from_source(memoryview(ahead[:50])) + px.from_source(memoryview(ahead[50:]))
+    assert more == [PSI.pack(PS_IOV_GET, 1, 0x12000, 10)] and px.page_bytes == 2 * 4096
+    # the daemon asks for a page not here (forwarded), then for one fetched ahead (a hit)
+    fwd = px.from_daemon(_req(PS_IOV_GET, 1)[:5])
+    fwd += px.from_daemon(_req(PS_IOV_GET, 1)[5:] + PSI.pack(PS_IOV_GET, 1, 0x11000, 10))
+    assert fwd == [_req(PS_IOV_GET, 1)] and px.hits == 1
+
+    class Sink:
+        sent = b""
+
+        def sendall(self, b: bytes) -> None:
+            Sink.sent += b
+
+    px.flush(Sink())
+    assert Sink.sent == b""  # the hit waits behind the forwarded request
+    px.from_source(memoryview(_answer(10, 0x12000, 1, b"z")))  # the rest of the run, ahead
+    px.from_source(memoryview(_answer(7, 0x1000, 1, b"f")))  # the forwarded request's answer
+    px.flush(Sink())
+    assert Sink.sent == _answer(7, 0x1000, 1, b"f") + _answer(10, 0x11000, 1, b"a")
+    assert px.served_bytes == 2 * 4096 and not px.up_q
+    px.from_daemon(_req(PS_IOV_CLOSE))
+    assert px.up_q and not px.closed and px.next_prefetch() == []
+    px.from_source(memoryview(b"\0\0\0\0"))
+    px.flush(Sink())
+    assert px.closed and Sink.sent.endswith(b"\0\0\0\0")
+
+
+def test_lazy_runs(tmp_path: Path) -> None:
+    pe = lambda vaddr, n, flags: _field(1, vaddr) + _field(2, n) + _field(4, flags)  # noqa: E731
+    _img(tmp_path / "pagemap-7.img", 0x56084025, [_field(1, 3), pe(0x1000, 4, images.PE_PRESENT | images.PE_LAZY),
+                                                  pe(0x9000, 10, images.PE_LAZY)])
+    assert images.lazy_runs(tmp_path / "pagemap-7.img") == [(0x9000, 10)]
+    from relocator.agent.postcopy import _lazy_ranges
+
+    assert _lazy_ranges(tmp_path) == [(7, 0x9000, 10)]
 
 
 class _FakeSource:
@@ -251,7 +280,7 @@ def _keeper(tmp_path: Path, source: _FakeSource, stall_s: float = 1.0):
     (tmp_path / "init.pid").write_text(str(tree.pid))
     args = argparse.Namespace(cell_dir=str(tmp_path), image_dir=str(tmp_path), source="127.0.0.1",
                               source_port=source.port, stall_s=stall_s, throttle_bps=0.0, lazy_bytes=0,
-                              connect_timeout=2.0, status_fd=-1)
+                              connect_timeout=2.0, status_fd=-1, prefetch=1, prefetch_depth=4, cache_bytes=1 << 30)
     k = Keeper(args)
     k.daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     lst = socket.create_server(("127.0.0.1", 0))

@@ -83,72 +83,6 @@ def _alive(pid: int | None) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
-# -- the protocol, as far as the relay needs it -------------------------------------------------
-class _Requests:
-    """Parses the daemon's requests (fixed-size headers) into a queue of what the source owes."""
-
-    def __init__(self) -> None:
-        self.buf = b""
-        self.queue: list[tuple[int, int]] = []  # (cmd, nr_pages) in order
-        self.count = 0
-
-    def feed(self, data: bytes) -> None:
-        self.buf += data
-        while len(self.buf) >= PSI.size:
-            cmd, nr, _vaddr, _dst = PSI.unpack_from(self.buf)
-            self.buf = self.buf[PSI.size:]
-            self.queue.append((cmd & PS_CMD_MASK, nr))
-            self.count += 1
-
-
-class _Answers:
-    """Follows the source's answers: a header and its pages for each GET, a status for CLOSE.
-    Knows whether anything is still owed (a stall only counts then) and the page bytes."""
-
-    def __init__(self, requests: _Requests) -> None:
-        self.req = requests
-        self.need = 0  # bytes still expected for the current piece
-        self.piece: str | None = None  # "head" | "pages" | "status"
-        self.head = b""
-        self.page_bytes = 0
-        self.closed = False  # the CLOSE was answered: the transfer completed
-
-    def owed(self) -> bool:
-        return self.piece is not None or bool(self.req.queue)
-
-    def _next(self) -> bool:
-        if not self.req.queue:
-            return False
-        cmd, _ = self.req.queue.pop(0)
-        if cmd in (PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE):
-            self.piece, self.need = "status", 4
-        else:
-            self.piece, self.need, self.head = "head", PSI.size, b""
-        return True
-
-    def feed(self, data: memoryview) -> None:
-        pos = 0
-        while pos < len(data):
-            if self.piece is None and not self._next():
-                return  # unsolicited bytes: passed on, not counted
-            take = min(self.need, len(data) - pos)
-            if self.piece == "head":
-                self.head += bytes(data[pos:pos + take])
-            elif self.piece == "pages":
-                self.page_bytes += take
-            pos += take
-            self.need -= take
-            if self.need:
-                continue
-            if self.piece == "head":
-                _cmd, nr, _v, _d = PSI.unpack(self.head)
-                self.piece, self.need = ("pages", nr * PAGE_SIZE) if nr else (None, 0)
-            else:
-                if self.piece == "status":
-                    self.closed = True
-                self.piece = None
-
-
 # -- the keeper process ---------------------------------------------------------------------------
 class Keeper:
     def __init__(self, args: argparse.Namespace) -> None:
@@ -197,6 +131,7 @@ class Keeper:
         except OSError as exc:
             self.state(state="failed", why="source", error=f"cannot reach the source's page server: {exc}")
             return 3
+        up.settimeout(None)
         up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         from relocator.snapshot import criu
 
@@ -216,55 +151,55 @@ class Keeper:
         finally:
             lst.close()
 
-    def _accept(self, lst: socket.socket) -> socket.socket | None:
-        # the daemon connects once `criu restore` has handed it the userfaultfds
-        while True:
-            r, _, _ = select.select([lst], [], [], 0.2)
-            if r:
-                down, _ = lst.accept()
-                down.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                return down
-            if self.daemon is not None and self.daemon.poll() is not None:
-                return None
-
     def relay(self, lst: socket.socket, up: socket.socket) -> int:
+        """Serve the daemon's requests in order, from pages fetched ahead when they are here,
+        through the source otherwise; fetch ahead everything the pagemaps mark lazy."""
         a = self.a
-        down = self._accept(lst)
-        if down is None:
-            rc = self.stop_daemon()
-            up.close()
-            self.state(state="failed", why="daemon", error=f"lazy-pages exited ({rc}) before it connected")
-            return 5
-        reqs = _Requests()
-        ans = _Answers(reqs)
-        buf = bytearray(1 << 20)
-        view = memoryview(buf)
+        px = _Proxy(_lazy_ranges(Path(a.image_dir)) if a.prefetch else [], a.prefetch_depth, a.cache_bytes)
+        down: socket.socket | None = None
         last_up = time.monotonic()
-        self.state(state="running", connected_at=time.time())
+        self.state(state="running")
         why = error = None
         throttle_until = 0.0
-        while True:
+        buf = bytearray(1 << 20)
+        view = memoryview(buf)
+
+        def send_up(data: bytes) -> None:
+            up.sendall(data)
+
+        try:
+            for req in px.next_prefetch():
+                send_up(req)
+        except OSError as exc:
+            why, error = "source", f"the source's page server went away: {exc}"
+        while why is None:
             now = time.monotonic()
             wait = 0.2
-            socks = [down]
+            socks = [down if down is not None else lst]
             if now >= throttle_until:
                 socks.append(up)
             else:
                 wait = min(wait, throttle_until - now)
             r, _, _ = select.select(socks, [], [], wait)
             now = time.monotonic()
-            if down in r:
+            if down is None and lst in r:
+                down, _ = lst.accept()
+                down.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self.state(connected_at=time.time())
+                continue
+            if down is None and self.daemon is not None and self.daemon.poll() is not None:
+                why, error = "daemon", f"lazy-pages exited ({self.daemon.returncode}) before it connected"
+                break
+            if down is not None and down in r:
                 try:
                     data = down.recv(65536)
                 except OSError:
                     data = b""
                 if not data:
                     break  # the daemon is done (or died): see below
-                reqs.feed(data)
-                if not ans.owed():
-                    last_up = now
                 try:
-                    up.sendall(data)
+                    for req in px.from_daemon(data):
+                        send_up(req)
                 except OSError as exc:
                     why, error = "source", f"the source's page server went away: {exc}"
                     break
@@ -277,31 +212,43 @@ class Keeper:
                     why, error = "source", f"the source's page server closed the connection {error or ''}".strip()
                     break
                 last_up = now
-                ans.feed(view[:n])
                 try:
-                    down.sendall(view[:n])
-                except OSError:
-                    break  # the daemon died: see below
+                    for req in px.from_source(view[:n]):
+                        send_up(req)
+                except OSError as exc:
+                    why, error = "source", f"the source's page server went away: {exc}"
+                    break
                 if a.throttle_bps:
                     throttle_until = max(now, throttle_until) + n / a.throttle_bps
-            if ans.owed() and now - last_up > a.stall_s:
+            if down is not None:
+                try:
+                    px.flush(down)
+                except OSError:
+                    break  # the daemon died: see below
+            if px.up_q and now - last_up > a.stall_s:
                 why, error = "stall", f"no answer from the source's page server for {a.stall_s:g}s (network cut?)"
                 break
+            if not px.up_q:
+                last_up = now  # nothing owed: a wait for an answer starts only with a request
             if now - self.last_flush > 0.2:
                 self.last_flush = now
-                self.state(page_bytes=ans.page_bytes, requests=reqs.count)
+                self.state(page_bytes=px.page_bytes, served_bytes=px.served_bytes, requests=px.requests,
+                           cache_hits=px.hits)
+        fields = dict(page_bytes=px.page_bytes, served_bytes=px.served_bytes, requests=px.requests,
+                      cache_hits=px.hits, seconds=round(time.monotonic() - self.t0, 3), ended_at=time.time())
         if why is not None:
             # the memory cannot arrive: the tree must never run on without it
             killed = self.kill_tree()
             self.stop_daemon()
-            down.close()
-            up.close()
-            self.state(state="failed", why=why, error=error, killed_pid=killed, page_bytes=ans.page_bytes,
-                       requests=reqs.count, seconds=round(time.monotonic() - self.t0, 3), ended_at=time.time())
+            for sock in (down, up):
+                if sock is not None:
+                    sock.close()
+            self.state(state="failed", why=why, error=error, killed_pid=killed, **fields)
             return 6
         # the daemon closed its side: after a CLOSE the source answered, every page arrived
         up.close()
-        down.close()
+        if down is not None:
+            down.close()
         try:
             rc = self.daemon.wait(timeout=30) if self.daemon else None
         except subprocess.TimeoutExpired:
@@ -311,9 +258,8 @@ class Keeper:
             tree_alive = _alive(int((self.cell_dir / "init.pid").read_text().strip()))
         except (OSError, ValueError):
             tree_alive = False
-        fields = dict(page_bytes=ans.page_bytes, requests=reqs.count, daemon_rc=rc,
-                      seconds=round(time.monotonic() - self.t0, 3), ended_at=time.time())
-        if rc == 0 and ans.closed and tree_alive:
+        fields["daemon_rc"] = rc
+        if rc == 0 and px.closed and tree_alive:
             self.state(state="done", **fields)
             return 0
         if not tree_alive:
@@ -323,6 +269,169 @@ class Keeper:
         self.state(state="failed", why="daemon", error=f"lazy-pages ended (exit {rc}) before every page arrived",
                    killed_pid=killed, **fields)
         return 8
+
+
+def _lazy_ranges(image_dir: Path) -> list[tuple[int, int, int]]:
+    """(pagemap id, vaddr, pages) of every run of pages the image left in the source. The id
+    is what the page server knows the process by (the daemon asks with the same)."""
+    from relocator.snapshot import images
+
+    out = []
+    for p in sorted(image_dir.glob("pagemap-*.img")):
+        try:
+            pid = int(p.stem.split("-", 1)[1])
+            runs = images.lazy_runs(p)
+        except (ValueError, images.ImageFormatError):
+            continue
+        out += [(pid, vaddr, n) for vaddr, n in runs]
+    return out
+
+
+class _Proxy:
+    """The keeper's page-server proxy. The daemon gets its answers strictly in the order it
+    asked (it matches them by order); an answer is ready at once when the pages were fetched
+    ahead, else when the source's answer to the forwarded request arrives. Ahead-of-need
+    requests (`prefetch_depth` in flight, at most `cache_bytes` held) walk every lazy run."""
+
+    MAX_PAGES = 1024  # what the daemon asks at most; the source clamps to its own runs
+
+    def __init__(self, ranges: list[tuple[int, int, int]], depth: int, cache_bytes: int) -> None:
+        from collections import deque
+
+        self.todo = deque(ranges)
+        self.depth, self.cache_cap = depth, cache_bytes
+        self.cache: dict[int, dict[int, list]] = {}  # id -> {start vaddr: [end, data, served pages]}
+        self.cached = 0
+        self.up_q: deque = deque()  # what the source owes, in order: (kind, id, vaddr, pages, slot)
+        self.down_q: deque = deque()  # the daemon's requests, in order: slots
+        self.in_buf = b""  # daemon bytes not yet a whole request
+        self.head = b""  # the source's answer being read: header ...
+        self.body = bytearray()  # ... and pages
+        self.need = 0
+        self.page_bytes = self.served_bytes = self.requests = self.hits = 0
+        self.closing = self.closed = False
+        self.pf_inflight = 0
+
+    # -- ahead of need ------------------------------------------------------------------
+    def next_prefetch(self) -> list[bytes]:
+        out = []
+        while (self.todo and not self.closing and self.pf_inflight < self.depth
+               and self.cached < self.cache_cap):
+            pid, vaddr, n = self.todo.popleft()
+            take = min(n, self.MAX_PAGES)
+            if n > take:
+                self.todo.appendleft((pid, vaddr + take * PAGE_SIZE, n - take))
+            self.up_q.append(("pf", pid, vaddr, take, None))
+            self.pf_inflight += 1
+            out.append(PSI.pack(PS_IOV_GET, take, vaddr, pid))
+        return out
+
+    def _lookup(self, pid: int, vaddr: int, n: int) -> bytes | None:
+        chunks = self.cache.get(pid)
+        if not chunks:
+            return None
+        import bisect
+
+        starts = sorted(chunks)  # few hundred runs at most per process
+        i = bisect.bisect_right(starts, vaddr) - 1
+        if i < 0:
+            return None
+        start = starts[i]
+        end, data, served = chunks[start]
+        if vaddr >= end:
+            return None
+        take = min(n, (end - vaddr) // PAGE_SIZE)
+        off = vaddr - start
+        out = bytes(data[off:off + take * PAGE_SIZE])
+        served += take
+        if served * PAGE_SIZE >= end - start:
+            del chunks[start]
+            self.cached -= end - start
+        else:
+            chunks[start][2] = served
+        return PSI.pack(6 | (4 << 16), take, vaddr, pid) + out  # PS_IOV_ADD_F, PE_PRESENT
+
+    # -- the daemon ------------------------------------------------------------------------
+    def from_daemon(self, data: bytes) -> list[bytes]:
+        self.in_buf += data
+        out = []
+        while len(self.in_buf) >= PSI.size:
+            raw = self.in_buf[:PSI.size]
+            self.in_buf = self.in_buf[PSI.size:]
+            cmd, n, vaddr, pid = PSI.unpack(raw)
+            self.requests += 1
+            slot = {"data": None}
+            self.down_q.append(slot)
+            cmd &= PS_CMD_MASK
+            if cmd in (PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE):
+                self.closing = True
+                self.up_q.append(("close", 0, 0, 0, slot))
+                out.append(raw)
+                continue
+            hit = self._lookup(pid, vaddr, n) if cmd == PS_IOV_GET else None
+            if hit is not None:
+                self.hits += 1
+                slot["data"] = hit
+            else:
+                self.up_q.append(("d", pid, vaddr, n, slot))
+                out.append(raw)
+        return out
+
+    def flush(self, down: socket.socket) -> None:
+        while self.down_q and self.down_q[0]["data"] is not None:
+            data = self.down_q.popleft()["data"]
+            down.sendall(data)
+            self.served_bytes += max(0, len(data) - PSI.size)
+
+    # -- the source ------------------------------------------------------------------------
+    def from_source(self, data: memoryview) -> list[bytes]:
+        pos = 0
+        while pos < len(data):
+            if not self.up_q:
+                return []  # nothing owed: stray bytes, dropped
+            kind = self.up_q[0][0]
+            if kind == "close":
+                want = 4 - len(self.head)
+                self.head += bytes(data[pos:pos + want])
+                pos += want
+                if len(self.head) == 4:
+                    _, _, _, _, slot = self.up_q.popleft()
+                    slot["data"], self.head = self.head, b""
+                    self.closed = True
+                continue
+            if len(self.head) < PSI.size:
+                want = PSI.size - len(self.head)
+                self.head += bytes(data[pos:pos + want])
+                pos += want
+                if len(self.head) == PSI.size:
+                    self.need = PSI.unpack(self.head)[1] * PAGE_SIZE
+                    self.body = bytearray()
+                if len(self.head) < PSI.size or self.need:
+                    continue
+            else:
+                take = min(self.need, len(data) - pos)
+                self.body += data[pos:pos + take]
+                pos += take
+                self.need -= take
+                self.page_bytes += take
+                if self.need:
+                    continue
+            self._answered()
+        return self.next_prefetch()
+
+    def _answered(self) -> None:
+        kind, pid, vaddr, n, slot = self.up_q.popleft()
+        _cmd, got, at, _dst = PSI.unpack(self.head)
+        if kind == "d":
+            slot["data"] = self.head + bytes(self.body)
+        else:  # fetched ahead: keep until the daemon asks; the rest of the run comes next
+            self.pf_inflight -= 1
+            if got:
+                self.cache.setdefault(pid, {})[at] = [at + got * PAGE_SIZE, self.body, 0]
+                self.cached += got * PAGE_SIZE
+            if got < n:
+                self.todo.appendleft((pid, vaddr + got * PAGE_SIZE, n - got))
+        self.head, self.body, self.need = b"", bytearray(), 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,6 +444,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--throttle-bps", type=float, default=0.0)
     p.add_argument("--lazy-bytes", type=int, default=0)
     p.add_argument("--connect-timeout", type=float, default=5.0)
+    # fetch every lazy page ahead of need (the daemon's own requests then find most of them
+    # here), at most this many requests in flight and this many bytes held
+    p.add_argument("--prefetch", type=int, default=1)
+    p.add_argument("--prefetch-depth", type=int, default=4)
+    p.add_argument("--cache-bytes", type=int, default=1 << 30)
     p.add_argument("--status-fd", type=int, default=-1)
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -131,6 +131,19 @@ def pagemap(path: str | Path) -> PagemapSummary:
     return out
 
 
+def lazy_runs(path: str | Path) -> list[tuple[int, int]]:
+    """(vaddr, pages) of each run a pagemap leaves in the source (lazy, not in the image)."""
+    it = entries(path)
+    next(it, None)  # the head
+    out = []
+    for raw in it:
+        e = decode(raw)
+        flags = _first(e, 4, PE_PRESENT)
+        if flags & PE_LAZY and not flags & (PE_PRESENT | PE_PARENT) and not _first(e, 3):
+            out.append((_first(e, 1), _first(e, 5, _first(e, 2))))
+    return out
+
+
 def pagemaps(image_dir: str | Path) -> dict[str, PagemapSummary]:
     """Every pagemap of an image directory, by file name."""
     return {p.name: pagemap(p) for p in sorted(Path(image_dir).glob("pagemap-*.img"))}
