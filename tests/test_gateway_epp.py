@@ -186,3 +186,48 @@ async def test_host_port():
     assert host_port("http://[::1]:9000") == "[::1]:9000"
     with pytest.raises(ValueError):
         host_port("http://nohost")
+
+
+async def test_cli_serves_and_stops(tmp_path):
+    """`relocator gateway epp` as a process: answers Envoy's sequence, exits 0 on SIGTERM; a bad
+    option is one line and exit 2; `gateway litellm-config` prints a loadable config."""
+    import signal
+    import subprocess
+    import sys
+
+    import yaml
+
+    from relocator.local_worker import free_port
+
+    bad = subprocess.run([sys.executable, "-m", "relocator", "gateway", "epp", "-b", "nourl"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0, bad.stderr
+    assert bad.stderr.startswith("error:"), bad.stderr
+    cfg = subprocess.run([sys.executable, "-m", "relocator", "gateway", "litellm-config", "-m",
+                          "tiny"], capture_output=True, text=True, timeout=60, check=True)
+    conf = yaml.safe_load(cfg.stdout)
+    assert conf["model_list"][0]["litellm_params"]["model"] == "relocator/tiny"
+    assert conf["litellm_settings"]["custom_provider_map"][0]["custom_handler"] == \
+        "relocator.gateways.litellm.handler"
+
+    gport = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "relocator", "gateway", "epp", "-b",
+                          "w1@m=http://127.0.0.1:18009", "--grpc-port", str(gport), "--port", "0",
+                          "--control-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{gport}")
+        await asyncio.wait_for(channel.channel_ready(), 60)
+        e = _Envoy(pb_grpc.ExternalProcessorStub(channel))
+        await e.send(_hdrs())
+        assert _destination(await e.send(_body(CHAT)))[0] == "127.0.0.1:18009"
+        await e.close()
+        await channel.close()
+        p.send_signal(signal.SIGTERM)
+        out, err = await asyncio.to_thread(p.communicate, timeout=30)
+        assert p.returncode == 0, err
+        assert "endpoint picker on" in out
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
