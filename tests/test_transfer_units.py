@@ -200,6 +200,7 @@ def test_proxy_answers_the_daemon_in_the_order_it_asked() -> None:
     """Pages fetched ahead answer at once, but never before an earlier request still waiting
     on the source (the daemon matches answers to its requests by order)."""
     px = _Proxy([(10, 0x10000, 3)], depth=4, cache_bytes=1 << 30)
+    px.xfer_pages = 1024
     assert px.next_prefetch() == [PSI.pack(PS_IOV_GET, 3, 0x10000, 10)]
     ahead = _answer(10, 0x10000, 2, b"a")  # the source clamps: 2 of 3 pages, the rest asked next
     more = px.from_source(memoryview(ahead[:50])) + px.from_source(memoryview(ahead[50:]))

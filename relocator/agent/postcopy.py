@@ -311,14 +311,22 @@ class _Proxy:
         self.page_bytes = self.served_bytes = self.requests = self.hits = 0
         self.closing = self.closed = False
         self.pf_inflight = 0
+        self.xfer_pages = 16  # 64 KiB after a fault, +64 KiB per answer while no fault comes
 
     # -- ahead of need ------------------------------------------------------------------
     def next_prefetch(self) -> list[bytes]:
+        """Requests ahead of need, fault-friendly like CRIU's own background transfer: never
+        while a request of the daemon waits on the source (one connection: an answer queued
+        behind megabytes of prefetch is a stalled page fault), small after each fault, growing
+        while none come."""
         out = []
+        if any(kind == "d" for kind, *_ in self.up_q):
+            return out
         while (self.todo and not self.closing and self.pf_inflight < self.depth
                and self.cached < self.cache_cap):
             pid, vaddr, n = self.todo.popleft()
-            take = min(n, self.MAX_PAGES)
+            take = min(n, self.xfer_pages)
+            self.xfer_pages = min(self.MAX_PAGES, self.xfer_pages + 16)
             if n > take:
                 self.todo.appendleft((pid, vaddr + take * PAGE_SIZE, n - take))
             self.up_q.append(("pf", pid, vaddr, take, None))
@@ -374,6 +382,7 @@ class _Proxy:
                 slot["data"] = hit
             else:
                 self.up_q.append(("d", pid, vaddr, n, slot))
+                self.xfer_pages = 16
                 out.append(raw)
         return out
 
@@ -447,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     # fetch every lazy page ahead of need (the daemon's own requests then find most of them
     # here), at most this many requests in flight and this many bytes held
     p.add_argument("--prefetch", type=int, default=1)
-    p.add_argument("--prefetch-depth", type=int, default=4)
+    p.add_argument("--prefetch-depth", type=int, default=1)
     p.add_argument("--cache-bytes", type=int, default=1 << 30)
     p.add_argument("--status-fd", type=int, default=-1)
     args = p.parse_args(argv)
@@ -484,7 +493,9 @@ class TargetSession:
         # in a few tens of milliseconds instead of the site's (editable installs) ~0.15 s
         argv = [sys.executable, "-S", "-m", "relocator.agent.postcopy", "--cell-dir", str(cell_dir),
                 "--image-dir", str(image_dir), "--source", self.source, "--source-port", str(self.port),
-                "--stall-s", str(self.stall_s), "--throttle-bps", str(self.throttle_bps), "--lazy-bytes", str(lazy)]
+                "--stall-s", str(self.stall_s), "--throttle-bps", str(self.throttle_bps), "--lazy-bytes", str(lazy),
+                # RELOCATOR_POSTCOPY_PREFETCH=0: the daemon's own requests only (to compare)
+                "--prefetch", os.environ.get("RELOCATOR_POSTCOPY_PREFETCH", "1")]
         env = {**os.environ, "PYTHONPATH": repo}
         try:
             self.proc = criu.CriuProcess(argv, cell_dir / "keeper.log", "post-copy keeper", cwd=repo, env=env)
