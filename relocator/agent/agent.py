@@ -8,6 +8,7 @@ node's state directory, and a restarted agent re-adopts every live one.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import threading
@@ -231,6 +232,11 @@ class NodeAgent(TransferOps):
                 raise
             out = {**self._describe(cell), "criu_restore_s": round(restored, 3), "health_s": round(ready, 3),
                    "seconds": round(time.monotonic() - t0, 3)}
+            try:  # where the restore's time went (snapshot.restore writes it)
+                out["timings"] = {k: round(v, 4) if isinstance(v, float) else v for k, v in
+                                  json.loads((cell.dir / "restore_timings.json").read_text()).items()}
+            except (OSError, ValueError):
+                pass
             if lazy:
                 out["postcopy"] = self._postcopy_state(cell.dir)
             return out

@@ -315,6 +315,8 @@ def restore(image: Image | Path, target: RestoreTarget | None = None, progress: 
         verify_files(image.path, manifest, tick)
     verify_s = time.monotonic() - t0
     progress("compatibility", None)
+    marks = {"verify_s": verify_s}  # where the restore's time goes (docs/benchmarks.md)
+    t = time.monotonic()
     expected = target.fingerprint or expected_fingerprint(manifest)
     mismatches = compatibility(manifest.fingerprint, expected)
     if mismatches:
@@ -323,14 +325,19 @@ def restore(image: Image | Path, target: RestoreTarget | None = None, progress: 
     target_gpus = _target_devices(source_gpus, target.gpu_ids)
     _, restore_args = devices.criu_external_args(target_gpus)
     cell_id = target.cell_id or new_cell_id("r")
+    marks["compatibility_s"] = time.monotonic() - t
+    t = time.monotonic()
     link = netns.create(f"rl-{cell_id}")
     cdir = cells_dir() / cell_id
     cdir.mkdir(parents=True, exist_ok=True)
+    marks["netns_s"] = time.monotonic() - t
     progress("criu restore", None)
     t = time.monotonic()
     try:
         if lazy is not None:
             lazy.start(image.path, cdir)
+            marks["lazy_start_s"] = time.monotonic() - t
+        t1 = time.monotonic()
         pid = criu.restore(image.path, link.path, cdir / "init.pid", log_dir=cdir, extra_args=restore_args,
                            lazy=lazy is not None)
     except BaseException:
@@ -339,6 +346,7 @@ def restore(image: Image | Path, target: RestoreTarget | None = None, progress: 
         netns.delete(link.name)
         shutil.rmtree(cdir, ignore_errors=True)
         raise
+    marks["criu_s"] = time.monotonic() - t1
     cell = Cell(id=cell_id, netns=link.name, ip=link.cell_ip, port=manifest.cell.port, init_pid=pid,
                 engine=manifest.cell.engine, launch=manifest.cell.launch, origin=f"restore:{image.path}",
                 devices=target_gpus.to_dict() if target_gpus.gpus else {})
@@ -352,5 +360,5 @@ def restore(image: Image | Path, target: RestoreTarget | None = None, progress: 
         cuda.restore([p for p in cell.pids() if cuda.cuda_state(p) == "checkpointed"],
                      device_map=devices.device_map(source_gpus, target_gpus) if moved else None)
     (cdir / "restore_timings.json").write_text(json.dumps(
-        {"verify_s": verify_s, "verified_by": verified_by, "criu_restore_s": time.monotonic() - t, "total_s": time.monotonic() - t0}))
+        {**marks, "verified_by": verified_by, "criu_restore_s": time.monotonic() - t, "total_s": time.monotonic() - t0}))
     return cell
