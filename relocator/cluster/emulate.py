@@ -171,6 +171,9 @@ def host_env(cluster: EmulatedCluster, h: EmulatedHost, health_check_period_ms: 
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_DEDUP_LOGS": "0",
         **RAY_CLIENT_ENV,
+        # the head's Ray Client server starts one process per client and gives it 30 s to
+        # answer: not enough on a busy 2-core CI machine (seen: deploy failed to connect)
+        "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "120",
         # how fast a lost host is declared dead (as on the local cluster)
         "RAY_health_check_period_ms": str(health_check_period_ms),
         "RAY_health_check_timeout_ms": str(max(health_check_period_ms, 1000)),

@@ -184,7 +184,9 @@ def connect(base_dir: str | Path | None = None, address: str | None = None) -> C
         os.environ.setdefault(k, v)
     if not ray.is_initialized():
         if address.startswith("ray://"):  # Ray Client (a deployed or emulated cluster, from outside it)
-            ray.init(address=address, namespace=NAMESPACE, logging_level="error")
+            from relocator.deploy.deploy import init_ray
+
+            init_ray(address)
         else:
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="error")
     if not info.get("router_url"):  # a deployed cluster (`relocator deploy`) describes itself in Ray

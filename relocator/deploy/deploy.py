@@ -44,7 +44,16 @@ def init_ray(address: str) -> None:
     kw: dict[str, Any] = {"namespace": NAMESPACE, "logging_level": "error"}
     if not address.startswith("ray://"):
         kw["log_to_driver"] = False
-    ray.init(address=address, **kw)
+        ray.init(address=address, **kw)
+        return
+    from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_fixed
+
+    # the Ray Client server starts a process per client; on a busy head it may miss its own
+    # deadline once (ConnectionAbortedError): try again
+    for attempt in Retrying(stop=stop_after_attempt(3), wait=wait_fixed(2), reraise=True,
+                            retry=retry_if_exception_type(ConnectionError), before_sleep=lambda _: ray.shutdown()):
+        with attempt:
+            ray.init(address=address, **kw)
 
 
 def _kv_get() -> dict[str, Any] | None:
