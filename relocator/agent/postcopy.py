@@ -301,6 +301,7 @@ class _Proxy:
         self.todo = deque(ranges)
         self.depth, self.cache_cap = depth, cache_bytes
         self.cache: dict[int, dict[int, list]] = {}  # id -> {start vaddr: [end, data, served pages]}
+        self.starts: dict[int, list[int]] = {}  # id -> the cached runs' starts, sorted
         self.cached = 0
         self.up_q: deque = deque()  # what the source owes, in order: (kind, id, vaddr, pages, slot)
         self.down_q: deque = deque()  # the daemon's requests, in order: slots
@@ -334,13 +335,13 @@ class _Proxy:
             out.append(PSI.pack(PS_IOV_GET, take, vaddr, pid))
         return out
 
-    def _lookup(self, pid: int, vaddr: int, n: int) -> bytes | None:
-        chunks = self.cache.get(pid)
-        if not chunks:
-            return None
+    def _lookup(self, pid: int, vaddr: int, n: int) -> list | None:
         import bisect
 
-        starts = sorted(chunks)  # few hundred runs at most per process
+        chunks = self.cache.get(pid)
+        starts = self.starts.get(pid)
+        if not chunks or not starts:
+            return None
         i = bisect.bisect_right(starts, vaddr) - 1
         if i < 0:
             return None
@@ -350,14 +351,15 @@ class _Proxy:
             return None
         take = min(n, (end - vaddr) // PAGE_SIZE)
         off = vaddr - start
-        out = bytes(data[off:off + take * PAGE_SIZE])
+        out = memoryview(data)[off:off + take * PAGE_SIZE]  # no copy: sent from the cache as is
         served += take
         if served * PAGE_SIZE >= end - start:
             del chunks[start]
+            starts.pop(i)
             self.cached -= end - start
         else:
             chunks[start][2] = served
-        return PSI.pack(6 | (4 << 16), take, vaddr, pid) + out  # PS_IOV_ADD_F, PE_PRESENT
+        return [PSI.pack(6 | (4 << 16), take, vaddr, pid), out]  # PS_IOV_ADD_F, PE_PRESENT
 
     # -- the daemon ------------------------------------------------------------------------
     def from_daemon(self, data: bytes) -> list[bytes]:
@@ -388,9 +390,10 @@ class _Proxy:
 
     def flush(self, down: socket.socket) -> None:
         while self.down_q and self.down_q[0]["data"] is not None:
-            data = self.down_q.popleft()["data"]
-            down.sendall(data)
-            self.served_bytes += max(0, len(data) - PSI.size)
+            parts = self.down_q.popleft()["data"]
+            for part in parts:
+                down.sendall(part)
+            self.served_bytes += sum(len(p) for p in parts[1:])
 
     # -- the source ------------------------------------------------------------------------
     def from_source(self, data: memoryview) -> list[bytes]:
@@ -405,7 +408,7 @@ class _Proxy:
                 pos += want
                 if len(self.head) == 4:
                     _, _, _, _, slot = self.up_q.popleft()
-                    slot["data"], self.head = self.head, b""
+                    slot["data"], self.head = [self.head], b""
                     self.closed = True
                 continue
             if len(self.head) < PSI.size:
@@ -432,11 +435,14 @@ class _Proxy:
         kind, pid, vaddr, n, slot = self.up_q.popleft()
         _cmd, got, at, _dst = PSI.unpack(self.head)
         if kind == "d":
-            slot["data"] = self.head + bytes(self.body)
+            slot["data"] = [self.head, self.body]
         else:  # fetched ahead: keep until the daemon asks; the rest of the run comes next
             self.pf_inflight -= 1
             if got:
+                import bisect
+
                 self.cache.setdefault(pid, {})[at] = [at + got * PAGE_SIZE, self.body, 0]
+                bisect.insort(self.starts.setdefault(pid, []), at)
                 self.cached += got * PAGE_SIZE
             if got < n:
                 self.todo.appendleft((pid, vaddr + got * PAGE_SIZE, n - got))
