@@ -104,6 +104,11 @@ async def test_move_through_envoy_and_the_endpoint_picker(tmp_path):
             assert late.status == 200, await late.text()
             assert (await late.json())["usage"]["completion_tokens"] == N
             late.release()
+            async with s.get(gw.server.url + "/metrics") as r:  # the router's, and the picker's
+                metrics = await r.text()
+            assert 'relocator_epp_picks_total{to="router"} 4.0' in metrics
+            assert 'relocator_epp_picks_total{to="worker"} 2.0' in metrics
+            assert 'relocator_epp_picks_total{to="refused"} 1.0' in metrics
     finally:
         await rc.close()
         envoy.stop()

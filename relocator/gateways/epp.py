@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import AsyncIterator, Mapping
+from typing import AsyncIterator, Callable, Mapping
 from urllib.parse import urlsplit
 
 import grpc
@@ -103,13 +103,20 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
     router that continues streams (None: every request goes to a worker directly)."""
 
     def __init__(self, table: RoutingTable, *, router_endpoint: str | None = None,
-                 via_router: str = ViaRouter.STREAMS, max_body_bytes: int = 4 << 20) -> None:
+                 via_router: str = ViaRouter.STREAMS, max_body_bytes: int = 4 << 20,
+                 on_pick: Callable[[str], None] | None = None) -> None:
         self.table = table
         self.router_endpoint = router_endpoint
         self.via_router = ViaRouter(via_router)
         self.max_body_bytes = max_body_bytes
-        #: picks made, by destination kind (tests, metrics)
+        #: picks made, by destination kind: worker, router, refused
         self.picks = {"worker": 0, "router": 0, "refused": 0}
+        self.on_pick = on_pick  # a metric hook (EppGateway: relocator_epp_picks_total)
+
+    def _count(self, kind: str) -> None:
+        self.picks[kind] += 1
+        if self.on_pick is not None:
+            self.on_pick(kind)
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
@@ -126,7 +133,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                 elif kind == "request_body":
                     body += req.request_body.body
                     if len(body) > self.max_body_bytes:
-                        self.picks["refused"] += 1
+                        self._count("refused")
                         yield refused(errors.body_too_large(self.max_body_bytes))
                         return
                     if not req.request_body.end_of_stream:
@@ -161,7 +168,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             if self._via_router(body):
                 if not self.table.has_model(model):
                     raise errors.model_not_found(model)
-                self.picks["router"] += 1
+                self._count("router")
                 yield picked(self.router_endpoint)  # type: ignore[arg-type]
                 return
             key = RouterCore.affinity_key(body, headers) if self.table.policy.needs_key else None
@@ -175,10 +182,10 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                 task.cancel()
                 raise
             yield r
-            self.picks["worker"] += 1
+            self._count("worker")
             yield picked(host_port(r.endpoint))
         except RouterError as e:
-            self.picks["refused"] += 1
+            self._count("refused")
             yield refused(e)
 
     def _parse(self, raw: bytes) -> dict:
@@ -232,10 +239,16 @@ class EppGateway:
 
     async def start(self) -> "EppGateway":
         await self.server.start()
+        from prometheus_client import Counter
+
+        picks = Counter("relocator_epp_picks", "Endpoint picker answers by destination: "
+                        "worker, router (streams it continues), refused (an error for Envoy)",
+                        ["to"], registry=self.server.hooks.registry)
         addr = self.router_address or f"127.0.0.1:{self.server.port}"
         self.picker = EndpointPicker(self.server.table, router_endpoint=addr,
                                      via_router=self.via_router,
-                                     max_body_bytes=self.server.settings.max_body_bytes)
+                                     max_body_bytes=self.server.settings.max_body_bytes,
+                                     on_pick=lambda kind: picks.labels(kind).inc())
         self._grpc, self.grpc_port = await serve_epp(self.picker, self.grpc_host, self.grpc_port)
         return self
 
