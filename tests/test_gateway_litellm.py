@@ -129,7 +129,7 @@ async def test_errors_and_unary_through_litellm(tmp_path):
 
     from relocator.router.fakeserver import Knobs, start_fake
 
-    eng, runner, url = await start_fake("fake", knobs=Knobs(tokens=12))
+    eng, runner, url = await start_fake("fake", knobs=Knobs(tokens=12, token_delay_s=0.01))
     cport = free_port()
     cfg = tmp_path / "gw.yaml"
     cfg.write_text(json.dumps({"control_port": cport, "hold_timeout_s": 1,
@@ -164,6 +164,23 @@ async def test_errors_and_unary_through_litellm(tmp_path):
         with urllib.request.urlopen(f"http://127.0.0.1:{cport}/metrics", timeout=5) as m:
             text = m.read().decode()
         assert 'relocator_router_requests_total{backend="w0",status="200"}' in text, text[:2000]
+        # a client that goes away: LiteLLM closes the plugin's stream, the core the upstream one
+        import aiohttp
+
+        async with aiohttp.ClientSession() as s:
+            r = await s.post(proxy.url + "/v1/chat/completions",
+                             headers={"Authorization": f"Bearer {proxy.key}"},
+                             json={"model": "fake", "messages": msgs, "max_tokens": 2000,
+                                   "stream": True})
+            await r.content.readany()
+            assert (await rc.replicas())["models"]["fake"][0]["in_flight"] == 1
+            r.close()
+        for _ in range(200):
+            if (await rc.replicas())["models"]["fake"][0]["in_flight"] == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert (await rc.replicas())["models"]["fake"][0]["in_flight"] == 0
+        assert eng.aborted >= 1
     finally:
         await rc.close()
         await client.close()
