@@ -107,11 +107,14 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "source resumes; the rule is removed afterwards",
           transfer=TransferMode.POSTCOPY,
           controller_faults=(("postcopy", (("throttle_bps", 1e8), ("stall_s", 1.5))),)),
-    Fault("postcopy-source-loss", "RELEASE", ("failed",),
+    Fault("postcopy-source-loss", "RELEASE", ("failed", "rolled_back"),
           "post-copy: the source node dies after the switch (its lazy dump, the page server, and its "
           "raylet SIGKILLed): the copy on the target cannot get the rest of its memory and its keeper "
           "kills it at once; the worker is lost and replaced, from its last kept image or cold "
-          "(post-copy's known risk, docs/snapshots.md)",
+          "(post-copy's known risk, docs/snapshots.md). On this one-host emulation the source's agent "
+          "may still answer for a moment after its raylet died: the move then rolls back to the "
+          "source (resumed, its lazy dump gone) and the worker is replaced once Ray declares the node "
+          "dead. Either way it must end up serving on a live node",
           transfer=TransferMode.POSTCOPY, controller_faults=(("postcopy", (("throttle_bps", 1e8),)),),
           destructive=True, lost_node="src", serve_target_s=180.0),
     Fault("fail-make-room-move", "DUMP", ("rolled_back",),
