@@ -119,6 +119,9 @@ class Keeper:
 
     def run(self) -> int:
         a = self.a
+        # every page fault of the restored copy waits on this process and the daemon (its child,
+        # it inherits this): ahead of the crowd on a busy node, as the frozen source's page server
+        _raise_priority(0)
         self.state(state="starting", keeper_pid=os.getpid(), upstream=f"{a.source}:{a.source_port}",
                    page_bytes=0, lazy_bytes=a.lazy_bytes, started_at=time.time())
         lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -269,6 +272,16 @@ class Keeper:
         self.state(state="failed", why="daemon", error=f"lazy-pages ended (exit {rc}) before every page arrived",
                    killed_pid=killed, **fields)
         return 8
+
+
+PRIORITY = -10  # nice value of the processes a post-copy's page faults wait on
+
+
+def _raise_priority(pid: int) -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, PRIORITY)
+    except OSError:  # not root: as is
+        pass
 
 
 def _lazy_ranges(image_dir: Path) -> list[tuple[int, int, int]]:

@@ -102,6 +102,9 @@ class TransferOps:
             cell = load_cell(cell_id)
             address = transfer_address()
             img, proc, port = dump_lazy(cell, Path(image_dir), address)
+            from relocator.agent.postcopy import _raise_priority
+
+            _raise_priority(proc.pid)  # its page server answers the target's page faults
             LazySource(cell.dir).record(proc.pid, address, port, str(image_dir))
             self._lazy_dumps[cell_id] = proc
             try:
