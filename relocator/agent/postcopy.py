@@ -474,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--connect-timeout", type=float, default=5.0)
     # fetch every lazy page ahead of need (the daemon's own requests then find most of them
     # here), at most this many requests in flight and this many bytes held
-    p.add_argument("--prefetch", type=int, default=1)
+    p.add_argument("--prefetch", type=int, default=0)
     p.add_argument("--prefetch-depth", type=int, default=1)
     p.add_argument("--cache-bytes", type=int, default=1 << 30)
     p.add_argument("--status-fd", type=int, default=-1)
@@ -513,8 +513,10 @@ class TargetSession:
         argv = [sys.executable, "-S", "-m", "relocator.agent.postcopy", "--cell-dir", str(cell_dir),
                 "--image-dir", str(image_dir), "--source", self.source, "--source-port", str(self.port),
                 "--stall-s", str(self.stall_s), "--throttle-bps", str(self.throttle_bps), "--lazy-bytes", str(lazy),
-                # RELOCATOR_POSTCOPY_PREFETCH=0: the daemon's own requests only (to compare)
-                "--prefetch", os.environ.get("RELOCATOR_POSTCOPY_PREFETCH", "1")]
+                # off by default: with a 3 GB image, fetching ahead (even fault-friendly) doubled
+                # the health check and the blackout on a 2-core node (docs/benchmarks.md, issue 14);
+                # RELOCATOR_POSTCOPY_PREFETCH=1 turns it on
+                "--prefetch", os.environ.get("RELOCATOR_POSTCOPY_PREFETCH", "0")]
         env = {**os.environ, "PYTHONPATH": repo}
         try:
             self.proc = criu.CriuProcess(argv, cell_dir / "keeper.log", "post-copy keeper", cwd=repo, env=env)
