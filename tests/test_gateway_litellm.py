@@ -94,11 +94,14 @@ async def test_move_under_streaming_load_through_litellm(vllm_server, vllm_serve
     try:
         progress: dict[str, int] = {}
         first = [asyncio.ensure_future(_stream(client, model, p, progress)) for p in prompts]
-        # move while the source streams: LiteLLM reads ahead of its client, so the client's
-        # progress says little about the upstream; the bytes the source sent do
-        while mp.forwarded < 30_000:
-            await asyncio.sleep(0.005)
-            assert not any(t.done() for t in first), [t.exception() for t in first if t.done()]
+        # move while the source streams all of them: every request in the core (LiteLLM may
+        # dispatch them slowly on a busy machine) and tokens flowing; LiteLLM reads ahead of its
+        # client, so the client's progress says little about the upstream
+        while (await rc.replicas())["models"][model][0]["in_flight"] < len(prompts) or \
+                mp.forwarded < 30_000:
+            await asyncio.sleep(0.01)
+            assert not any(t.done() for t in first), ([t.exception() for t in first
+                                                       if t.done()], proxy.tail())
         await rc.hold("w0")                                            # HOLD
         mp.freeze()                                                    # DUMP
         second = [asyncio.ensure_future(_stream(client, model, p)) for p in late]
@@ -114,7 +117,7 @@ async def test_move_under_streaming_load_through_litellm(vllm_server, vllm_serve
         await client.close()
         proxy.stop()
         await mp.close()
-    assert info["moved_streams"] >= 3, info  # streams cut mid-way and continued
+    assert info["moved_streams"] >= 3, (info, proxy.tail())  # cut mid-way and continued
     assert held["state"] == "held"
     for p, (text, usage) in zip(prompts + late, got):
         want_text, want_usage = ref[p]
