@@ -230,6 +230,16 @@ def test_proxy_answers_the_daemon_in_the_order_it_asked() -> None:
     assert px.closed and Sink.sent.endswith(b"\0\0\0\0")
 
 
+def test_proxy_keeps_background_requests_small_while_faults_come() -> None:
+    px = _Proxy([], depth=1, cache_bytes=0)
+    big = PSI.pack(PS_IOV_GET, 1024, 0x40000, 10)
+    assert px.from_daemon(big) == [big]  # no fault yet: as asked
+    px.from_daemon(PSI.pack(PS_IOV_GET, 1, 0x1000, 10))  # a page fault
+    assert px.from_daemon(big) == [PSI.pack(PS_IOV_GET, px.BUSY_PAGES, 0x40000, 10)]
+    px.last_fault -= 1.0  # the faults stopped
+    assert px.from_daemon(big) == [big]
+
+
 def test_lazy_runs(tmp_path: Path) -> None:
     pe = lambda vaddr, n, flags: _field(1, vaddr) + _field(2, n) + _field(4, flags)  # noqa: E731
     _img(tmp_path / "pagemap-7.img", 0x56084025, [_field(1, 3), pe(0x1000, 4, images.PE_PRESENT | images.PE_LAZY),

@@ -307,6 +307,8 @@ class _Proxy:
     requests (`prefetch_depth` in flight, at most `cache_bytes` held) walk every lazy run."""
 
     MAX_PAGES = 1024  # what the daemon asks at most; the source clamps to its own runs
+    FAULT_WINDOW_S = 0.25  # background requests stay small this long after a page fault ...
+    BUSY_PAGES = 16  # ... at most 64 KiB each
 
     def __init__(self, ranges: list[tuple[int, int, int]], depth: int, cache_bytes: int) -> None:
         from collections import deque
@@ -326,6 +328,7 @@ class _Proxy:
         self.closing = self.closed = False
         self.pf_inflight = 0
         self.xfer_pages = 16  # 64 KiB after a fault, +64 KiB per answer while no fault comes
+        self.last_fault = float("-inf")
 
     # -- ahead of need ------------------------------------------------------------------
     def next_prefetch(self) -> list[bytes]:
@@ -391,6 +394,16 @@ class _Proxy:
                 self.up_q.append(("close", 0, 0, 0, slot))
                 out.append(raw)
                 continue
+            if cmd == PS_IOV_GET:
+                now = time.monotonic()
+                if n <= 1:  # the daemon asks one page for a fault, more for its background copy
+                    self.last_fault = now
+                elif now - self.last_fault < self.FAULT_WINDOW_S and n > self.BUSY_PAGES:
+                    # answers come back in order on one connection: while faults come, a page
+                    # fault must not wait behind megabytes of background copy. The daemon takes
+                    # fewer pages than it asked for and asks the rest later
+                    n = self.BUSY_PAGES
+                    raw = PSI.pack(cmd, n, vaddr, pid)
             hit = self._lookup(pid, vaddr, n) if cmd == PS_IOV_GET else None
             if hit is not None:
                 self.hits += 1
