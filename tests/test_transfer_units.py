@@ -343,3 +343,94 @@ def test_postcopy_problems() -> None:
     small = {**ok, "lazy_dump_pipes": [False, "fs.pipe-max-size is 1048576 (>= 4194304 needed)"]}
     assert postcopy_problems(ok, no_uffd) == ["target: no non-cooperative userfaultfd (UFFD is not supported)"]
     assert postcopy_problems(small, ok) == ["source: fs.pipe-max-size is 1048576 (>= 4194304 needed)"]
+
+
+# ------------------------------------------------------- the state machine with a post-copy
+class _PostCopyBackend:
+    """tests/test_controller_machine.py's fake backend plus a post-copy that ends as told."""
+
+    def __new__(cls, outcome: dict, plan: tuple[str, str] = ("postcopy", "")):
+        from tests.test_controller_machine import FakeBackend
+
+        be = FakeBackend()
+        be.outcome, be.lazy_waits = outcome, 0
+
+        def transfer_plan(worker, dst, requested):
+            be._call("transfer_plan", requested)
+            return plan
+
+        def dump_lazy(node, cell, image_dir):
+            be.cells[(node, cell)] = "stopped"  # frozen, serving its memory
+            be._call("dump_lazy", node, cell)
+            be.images.add((node, image_dir))
+            return {"bytes": 33, "lazy_bytes": 1000, "address": "127.0.0.1", "port": 4242}
+
+        restore = be.restore
+
+        def restore_pc(node, image_dir, cell, verified=False, gpu_ids=None, page_source=None):
+            be.page_source = page_source
+            return restore(node, image_dir, cell, verified, gpu_ids)
+
+        def postcopy_status(node, cell):
+            return {"state": "running", "page_bytes": 400}
+
+        def postcopy_wait(node, cell, timeout=1.0):
+            if be.outcome.get("state") == "failed":
+                be.cells[(node, cell)] = "absent"  # the keeper killed the copy
+            return {"state": "done", "page_bytes": 1000, "started_at": 10.0, "ended_at": 14.5, **be.outcome}
+
+        def lazy_dump_wait(node, cell, timeout=1.0):
+            be.lazy_waits += 1
+            return {"done": True, "rc": 0}
+
+        be.transfer_plan, be.dump_lazy, be.restore = transfer_plan, dump_lazy, restore_pc
+        be.postcopy_status, be.postcopy_wait, be.lazy_dump_wait = postcopy_status, postcopy_wait, lazy_dump_wait
+        return be
+
+
+def _machine_env(tmp_path: Path, be):
+    from relocator.controller.machine import Machine
+    from relocator.controller.model import WorkerRecord
+    from relocator.controller.store import Store
+
+    store = Store(tmp_path / "c.db")
+    store.save_worker(WorkerRecord(id="w1", model="m", node="n1", gpus=2, cell_id="c1", endpoint="http://a",
+                                   state="running", reservation="pg-w1", gpu_ids=[0, 1]))
+    be.gpu_ids = {"n2": [2, 3]}
+    return store, Machine(store, be)
+
+
+def test_postcopy_releases_the_source_only_after_every_page(tmp_path: Path) -> None:
+    from relocator.controller.model import DONE, Relocation
+
+    be = _PostCopyBackend({})
+    store, m = _machine_env(tmp_path, be)
+    rel = m.run(Relocation(id="r1", worker="w1", src="n1", transfer="auto", faults={"postcopy": {"stall_s": 2}}))
+    assert rel.result == DONE and rel.transfer == "postcopy"
+    assert be.page_source == {"address": "127.0.0.1", "port": 4242, "stall_s": 2}
+    assert rel.postcopy["pages_after_switch_bytes"] == 600 and rel.postcopy["postcopy_s"] == 4.5
+    names = [c[0] for c in be.calls]
+    assert names.index("switch") < names.index("kill") and be.lazy_waits == 1  # source killed last
+    assert store.worker("w1").node == "n2" and store.worker("w1").gpu_ids == [2, 3]
+
+
+@pytest.mark.parametrize("why, source_state, result, worker_state", [
+    ("target", "stopped", "rolled_back", "running"),  # the copy died: back to the frozen source
+    ("stall", "stopped", "rolled_back", "running"),  # network cut
+    ("source", "lost", "failed", "lost"),  # the source node died: the worker is lost, replaced
+])
+def test_postcopy_failure_after_the_switch(tmp_path: Path, why, source_state, result, worker_state) -> None:
+    from relocator.controller.model import Relocation
+
+    be = _PostCopyBackend({"state": "failed", "why": why, "error": "x"})
+    store, m = _machine_env(tmp_path, be)
+    if source_state == "lost":
+        real = be.cell_state
+        be.cell_state = lambda node, cell: "lost" if node == "n1" else real(node, cell)
+    rel = m.run(Relocation(id="r1", worker="w1", src="n1", dst="n2", transfer="postcopy"))
+    assert rel.result == result and rel.postcopy["failed"] == why, rel.error
+    w = store.worker("w1")
+    assert (w.node, w.state, w.gpu_ids, w.reservation) == ("n1", worker_state, [0, 1], "pg-w1")
+    assert ("n2", f"w1-r1") not in be.cells  # the copy is gone
+    if result == "rolled_back":
+        assert be.cells[("n1", "c1")] == "running" and be.router["w1"]["endpoint"] == "http://a"

@@ -265,7 +265,8 @@ class Machine:
         requested = rel.transfer
         why = ""
         if rel.transfer in (TransferMode.AUTO, TransferMode.POSTCOPY):  # auto resolved; postcopy possible?
-            rel.transfer, why = self.backend.transfer_plan(w, rel.dst, rel.transfer)
+            mode, why = self.backend.transfer_plan(w, rel.dst, rel.transfer)
+            rel.transfer = TransferMode(mode)
         rel.src_cell, rel.src_endpoint, rel.src_reservation = w.cell_id, w.endpoint, w.reservation
         rel.dst_cell = f"{w.id}-{rel.id}"
         rel.image_dir = self.backend.image_dir(rel.src, rel.id)
