@@ -24,6 +24,7 @@ from typing import Any, Callable
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 from relocator.chaos import leaks as L
+from relocator.chaos.hosts import LocalView, host_view, split_faults
 from relocator.procs import criu_processes, descendants, process_table
 from relocator.chaos.faults import (FAULTS, SMOKE_FAULTS, Fault, Step, StepKind, check_outcome,
                                     check_scheduling_outcome, make_schedule, pick_target)
@@ -179,8 +180,9 @@ def serving_again_at(probes: list[tuple[float, float | None]], slow_s: float = 1
 class Injector:
     """Acts on the real system when the relocation reaches the fault's phase."""
 
-    def __init__(self, ctl: Any, base: Path, fault: Fault, worker: dict) -> None:
+    def __init__(self, ctl: Any, base: Path, fault: Fault, worker: dict, view: LocalView | None = None) -> None:
         self.ctl, self.base, self.fault, self.worker = ctl, base, fault, worker
+        self.view = view or LocalView(base)  # where a node's files are (emulated hosts: its own dirs)
         self.injected = False
         self.at: float | None = None  # wall time of the injection
         self.detail: dict[str, Any] = {}
@@ -232,7 +234,7 @@ class Injector:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and still().get("phase") == "DUMP":
             for pid in criu_processes(process_table(), "page-server", rid):
-                img = Path(rel.get("dst_image_dir") or "")
+                img = self.view.path(rel["dst"], rel.get("dst_image_dir") or "")
                 got = sum(p.stat().st_size for p in img.glob("pages-*.img")) if img.is_dir() else 0
                 if got > (8 << 20) and _kill(pid):
                     self._mark(killed="target page server", pid=pid, bytes_received=got)
@@ -243,7 +245,7 @@ class Injector:
         """The post-copy state of the move's target copy once its keeper relays pages."""
         from relocator.agent.postcopy import read_state
 
-        cdir = self.base / "nodes" / rel["dst"] / "state" / "cells" / rel["dst_cell"]
+        cdir = self.view.state_dir(rel["dst"]) / "cells" / rel["dst_cell"]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and still().get("phase") == self.fault.phase:
             st = read_state(cdir) or {}
@@ -256,7 +258,7 @@ class Injector:
 
     def _postcopy_kill_target(self, rel: dict, still) -> None:
         st = self._postcopy_session(rel, still)
-        cell_json = self.base / "nodes" / rel["dst"] / "state" / "cells" / rel["dst_cell"] / "cell.json"
+        cell_json = self.view.state_dir(rel["dst"]) / "cells" / rel["dst_cell"] / "cell.json"
         if st is None or not cell_json.exists():
             return
         init = json.loads(cell_json.read_text())["init_pid"]
@@ -308,7 +310,8 @@ class Injector:
         self._cleanups.clear()
 
     def _flip_byte(self, rel: dict, still) -> None:
-        img = Path(rel.get("dst_image_dir") or rel["image_dir"])
+        img = (self.view.path(rel["dst"], rel["dst_image_dir"]) if rel.get("dst_image_dir")
+               else self.view.path(rel["src"], rel["image_dir"]))
         files = [p for p in img.iterdir() if p.is_file() and p.name.endswith(".img")]
         if not files:
             return
@@ -323,7 +326,7 @@ class Injector:
 
     def _kill_target_cell(self, rel: dict, still) -> None:
         rid, dst_cell = rel["id"], rel.get("dst_cell")
-        cell_json = self.base / "nodes" / rel["dst"] / "state" / "cells" / dst_cell / "cell.json"
+        cell_json = self.view.state_dir(rel["dst"]) / "cells" / dst_cell / "cell.json"
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             table = process_table()
@@ -374,6 +377,11 @@ class Injector:
         import ray
 
         node = rel["dst"]
+        if self.view.emulated:  # the whole host dies: raylet, agent, cells
+            target_ns = [f"rl-{rel['dst_cell']}"] if rel.get("dst_cell") else []
+            killed = self.view.kill_node(node, netns=target_ns) or {}
+            self._mark(node=node, host_pids=len(killed.get("pids", [])), cells=killed.get("cells"))
+            return
         ids = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and f"relocator_node:{node}" in n.get("Resources", {})]
         if not ids:
             return
@@ -457,13 +465,14 @@ def _freeze_end(rel: dict) -> float | None:
     return float(ends[-1]) if ends else rel.get("finished_at")
 
 
-def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConfig, say) -> dict[str, Any]:
+def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConfig, say,
+             view: LocalView | None = None) -> dict[str, Any]:
     fault = FAULTS[step.fault] if step.fault else None
     t_start = time.time()
     s = ctl.relocate(worker["id"], to=dst, transfer=fault.transfer if fault else None,
                      faults=fault.relocate_faults() if fault else None, wait=False)
     rid = s["id"]
-    inj = Injector(ctl, base, fault, worker) if fault else None
+    inj = Injector(ctl, base, fault, worker, view) if fault else None
     # probes go to the worker directly, so they start only once the fault is detected: a
     # connection waiting in the accept queue while CRIU dumps makes the dump fail
     probe = _Probe().start() if fault else None
@@ -706,11 +715,11 @@ def _settle(ctl, timeout: float = 60.0) -> float | None:
     return None
 
 
-def _leak_settle(base: Path, before: dict, expected: dict, netns_names: set[str],
+def _leak_settle(view: LocalView, before: dict, expected: dict, netns_names: set[str],
                  timeout: float = 20.0) -> dict[str, list[str]]:
     deadline = time.monotonic() + timeout
     while True:
-        leaked = L.diff_leaks(before, L.collect(base, netns_names=netns_names), expected)
+        leaked = L.diff_leaks(before, view.collect(netns_names=netns_names), expected)
         if not L.total(leaked) or time.monotonic() > deadline:
             return leaked
         time.sleep(1.0)
@@ -753,13 +762,23 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
             say(f"starting a {cfg.nodes}-node cluster in {cfg.cluster_dir}")
             ctl = relocator.start(nodes=cfg.nodes, gpus_per_node=cfg.gpus_per_node, base_dir=cfg.cluster_dir)
     base = Path(ctl.info["base_dir"])
+    view = host_view(ctl, base)
+    # faults that cannot apply on this cluster (emulated hosts) are skipped, each with its reason
+    kept, skipped = split_faults(cfg.faults, view)
+    if skipped:
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, faults=kept)
+        for f, why in skipped.items():
+            say(f"skipping {f}: {why}")
     rng = random.Random(cfg.seed)
-    report: dict[str, Any] = {"config": asdict(cfg)}
+    report: dict[str, Any] = {"config": asdict(cfg), "cluster": "emulated hosts" if view.emulated else "local",
+                              "skipped_faults": skipped}
     launched: list[str] = []
     seen_cells: set[str] = set()  # every cell of our workers this run saw (for the netns check)
     load = None
     try:
-        before = L.collect(base)
+        before = view.collect()
         st0 = ctl.status()
         t = time.monotonic()
         from concurrent.futures import ThreadPoolExecutor
@@ -811,13 +830,13 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
                 continue
             alive = [n["id"] for n in st["nodes"] if n.get("alive", True)]
             if step.fault and FAULTS[step.fault].destructive:  # never the head node (GCS, controller)
-                alive = [n for n in alive if n != nodes[0]]
+                alive = [n for n in alive if n != nodes[0] and n not in view.protected]
             free = {n["id"]: n["gpus_free"] for n in st["nodes"]}
             dst = pick_target(w["node"], w["gpus"], free, alive, step.dst, rng)
             if dst is None:
                 moves.append({"step": i, "fault": step.fault, "result": "skipped", "error": "no target with room"})
                 continue
-            moves.append(one_move(ctl, base, step, w, dst, cfg, say))
+            moves.append(one_move(ctl, base, step, w, dst, cfg, say, view))
         time.sleep(1.0)
         rep = load.stop()
         load = None
@@ -847,7 +866,7 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
         rep.token_check = tc
         st = _status(ctl)
         seen_cells.update(w["cell"] for w in st["workers"] if w["id"] in launched)
-        leaked_mid = _leak_settle(base, before, _expected(st, moves), _our_netns(seen_cells, moves))
+        leaked_mid = _leak_settle(view, before, _expected(st, moves), _our_netns(seen_cells, moves))
         outcomes = []
         scheduling: list[dict] = []
         for m in moves:
@@ -922,12 +941,14 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
                 except Exception as exc:  # noqa: BLE001
                     say(f"could not stop {wid}: {exc}")
         if cfg.stop_workers and "leaked" in report:
-            final = _leak_settle(base, before, {}, _our_netns(seen_cells, report.get("moves", [])))
+            final = _leak_settle(view, before, {}, _our_netns(seen_cells, report.get("moves", [])))
             report["leaked_after_stop"] = final
             for k, v in final.items():
                 report["leaked"][k] = sorted(set(report["leaked"].get(k, [])) | set(v))
         if own:
             ctl.down()
+    if view.emulated:  # what a dead host left on this machine (gone with a real host; `down` removes it)
+        report["dead_hosts"] = {"hosts": sorted(view.dead), "netns_removed": view.remove_dead_netns()}
     report["seconds"] = round(time.monotonic() - t_all, 1)
     ex = report.get("excluding_router_restart", {})
     report["ok"] = bool(

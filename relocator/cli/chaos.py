@@ -89,6 +89,8 @@ def chaos_cmd(duration: float = typer.Option(None, "--duration", help="stop star
         for name, o in rep.get("faults", {}).items():
             t.add_row(name, str(o["result"]), "yes" if o["ok"] else "[red]NO[/]", str(o.get("serve_again_s")),
                       "; ".join(o["problems"])[:120])
+        for name, why in rep.get("skipped_faults", {}).items():  # cannot apply on this cluster
+            t.add_row(name, "skipped", "-", "-", why[:120])
         console.print(t)
         for o in rep.get("scheduling_steps", []):
             if not o.get("fault"):
