@@ -22,8 +22,8 @@ EMULATED_SKIPS: dict[str, str] = {
                       "fault's mechanism and expectation (no request fails) are the local daemon's",
     "postcopy-kill-target": "post-copy between emulated hosts is not exercised by deploy yet (issue 17 "
                             "report); not run here",
-    "postcopy-network-cut": "cuts the page server's port in this machine's INPUT chain, which traffic "
-                            "between emulated hosts (bridged namespaces) never crosses",
+    "postcopy-network-cut": "drops the page-server connection in this machine's INPUT chain, which "
+                            "traffic between emulated hosts (bridged namespaces) never crosses",
     "postcopy-source-loss": "post-copy between emulated hosts is not exercised by deploy yet (issue 17 "
                             "report); not run here",
     "fail-make-room-move": "fragments the cluster with `relocator_node:` placement groups, a resource "
