@@ -101,7 +101,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "still arrives; the frozen source resumes and the router goes back to it",
           transfer=TransferMode.POSTCOPY, controller_faults=(("postcopy", (("throttle_bps", 1e8),)),)),
     Fault("postcopy-network-cut", "RELEASE", ("rolled_back",),
-          "post-copy: drop every packet to and from the source's page server (iptables, its port) "
+          "post-copy: drop every packet of the page-server connection (iptables on its two ports) "
           "after the switch; the target's keeper hears nothing for stall_s and kills the copy before "
           "it can run on without its memory; the source's lazy dump is cut loose (ss -K) and the "
           "source resumes; the rule is removed afterwards",

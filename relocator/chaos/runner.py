@@ -272,14 +272,23 @@ class Injector:
         if st is None or not port:
             return
         tag = f"relocator-chaos-{rel['id']}"
-        rules = [["-p", "tcp", "--dport", str(port)], ["-p", "tcp", "--sport", str(port)]]
+        # exactly that connection (its peer port from ss): a rule on the port alone also drops
+        # any other loopback connection that happens to get it as its ephemeral port
+        out = subprocess.run(["ss", "-Htn", "state", "established", f"( sport = :{port} )"],
+                             capture_output=True, text=True).stdout.split()
+        ports = [a.rsplit(":", 1)[1] for a in out if ":" in a and a.rsplit(":", 1)[1].isdigit()]
+        peer = next((p for p in ports if p != str(port)), None)
+        if peer is None:
+            return
+        rules = [["-p", "tcp", "--dport", str(port), "--sport", peer],
+                 ["-p", "tcp", "--sport", str(port), "--dport", peer]]
         for r in rules:
             subprocess.run(["iptables", "-I", "INPUT", *r, "-m", "comment", "--comment", tag, "-j", "DROP"],
                            check=True, capture_output=True)
         self._cleanups.append(lambda: [subprocess.run(
             ["iptables", "-D", "INPUT", *r, "-m", "comment", "--comment", tag, "-j", "DROP"], capture_output=True)
             for r in rules])
-        self._mark(cut=f"tcp port {port} (the source's page server)", page_bytes=st.get("page_bytes"),
+        self._mark(cut=f"tcp {port} <-> {peer} (the source's page server and the keeper)", page_bytes=st.get("page_bytes"),
                    lazy_bytes=st.get("lazy_bytes"))
 
     def _postcopy_source_loss(self, rel: dict, still) -> None:
