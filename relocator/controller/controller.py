@@ -517,49 +517,62 @@ class Controller:
         return {"id": demand.id, "state": DemandState.PENDING.value, "demand": demand.summary()}
 
     def _seat_demand(self, demand: Demand, make_room: bool = True, dry_run: bool = False, queue: bool = True,
-                     faults: dict | None = None) -> dict:
+                     faults: dict | None = None, stored: bool = False) -> dict:
         """Plan and seat one demand: moves and suspends first (one seating at a time), the GPUs
-        reserved, then the worker started (a cold launch or a restore) outside the lock."""
+        reserved, then the worker started (a cold launch or a restore) outside the lock.
+        `stored`: a pending demand taken from the store, which may have been cancelled while
+        this waited for the seating lock (it is then left alone)."""
         t0 = time.monotonic()
         with self._seating:
-            if demand.kind is DemandKind.RESUME:
-                w = self.store.worker(demand.id)
-                if w is None or w.state != WorkerState.SUSPENDED:
-                    self.store.delete_demand(demand.id)
-                    raise RuntimeError(f"worker {demand.id} is not suspended")
-            seating = self._plan_seating(demand, make_room)
-            if dry_run:
-                return {"dry_run": True, "demand": demand.summary(), "plan": seating.to_dict()}
-            if seating.node is None:
-                if not queue:
-                    raise RuntimeError(seating.reason)
-                return self._queue(demand, seating.reason)
-            with self._lock:
-                self._placing.add(demand.id)
-            if seating.moves or seating.suspends:
-                demand.state = DemandState.PLACING
-                self.store.save_demand(demand)
-                self.emit(EventKind.ROOM_PLANNED, demand=demand.id, node=seating.node,
-                          moves=[m.to_dict() for m in seating.moves], suspends=seating.suspends)
-                error = self._make_room(demand, seating, faults)
-                if error:
-                    log.warning("demand %s: making room failed: %s", demand.id, error)
-                    if not queue:
-                        with self._lock:
-                            self._placing.discard(demand.id)
-                        self.store.delete_demand(demand.id)
-                        raise RuntimeError(error)
-                    return self._queue(demand, f"making room failed: {error}")
-            try:
-                claimed = (self._claim(demand, seating.node, timeout=60.0 if seating.moves or seating.suspends else 15.0)
-                           if demand.kind is DemandKind.LAUNCH else
-                           self._claim_resume(self.store.worker(demand.id), seating.node,
-                                              timeout=60.0 if seating.moves or seating.suspends else 15.0))
-            except Exception as exc:  # noqa: BLE001
+            if stored:
                 with self._lock:
-                    self._placing.discard(demand.id)
-                if queue:
-                    return self._queue(demand, f"could not reserve {demand.gpus} GPU(s) on {seating.node}: {exc}")
+                    if self.store.demand(demand.id) is None:
+                        return {"id": demand.id, "state": "cancelled"}
+                    self._placing.add(demand.id)  # from here on a cancel is refused
+            try:
+                if demand.kind is DemandKind.RESUME:
+                    w = self.store.worker(demand.id)
+                    if w is None or w.state != WorkerState.SUSPENDED:
+                        self.store.delete_demand(demand.id)
+                        raise RuntimeError(f"worker {demand.id} is not suspended")
+                seating = self._plan_seating(demand, make_room)
+                if dry_run:
+                    return {"dry_run": True, "demand": demand.summary(), "plan": seating.to_dict()}
+                if seating.node is None:
+                    if not queue:
+                        raise RuntimeError(seating.reason)
+                    return self._queue(demand, seating.reason)
+                with self._lock:
+                    self._placing.add(demand.id)
+                if seating.moves or seating.suspends:
+                    demand.state = DemandState.PLACING
+                    self.store.save_demand(demand)
+                    self.emit(EventKind.ROOM_PLANNED, demand=demand.id, node=seating.node,
+                              moves=[m.to_dict() for m in seating.moves], suspends=seating.suspends)
+                    error = self._make_room(demand, seating, faults)
+                    if error:
+                        log.warning("demand %s: making room failed: %s", demand.id, error)
+                        if not queue:
+                            with self._lock:
+                                self._placing.discard(demand.id)
+                            self.store.delete_demand(demand.id)
+                            raise RuntimeError(error)
+                        return self._queue(demand, f"making room failed: {error}")
+                try:
+                    claimed = (self._claim(demand, seating.node, timeout=60.0 if seating.moves or seating.suspends else 15.0)
+                               if demand.kind is DemandKind.LAUNCH else
+                               self._claim_resume(self.store.worker(demand.id), seating.node,
+                                                  timeout=60.0 if seating.moves or seating.suspends else 15.0))
+                except Exception as exc:  # noqa: BLE001
+                    with self._lock:
+                        self._placing.discard(demand.id)
+                    if queue:
+                        return self._queue(demand, f"could not reserve {demand.gpus} GPU(s) on {seating.node}: {exc}")
+                    raise
+            except BaseException:
+                if stored:  # taken up above: a failure before the claim leaves it to the next retry
+                    with self._lock:
+                        self._placing.discard(demand.id)
                 raise
         extra = {"moves": [m.to_dict() for m in seating.moves], "suspended": seating.suspends}
         if demand.kind is DemandKind.LAUNCH:
@@ -881,12 +894,13 @@ class Controller:
 
     def cancel(self, demand_id: str) -> dict:
         """Drop a pending demand (a suspended worker stays suspended: `resume` or `stop` it)."""
-        d = self.store.demand(demand_id)
-        if d is None:
-            raise KeyError(f"unknown demand {demand_id!r}")
-        if demand_id in self._placing:
-            raise RuntimeError(f"demand {demand_id} is being placed")
-        self.store.delete_demand(demand_id)
+        with self._lock:  # atomic with a retry taking it up (`_seat_demand`)
+            d = self.store.demand(demand_id)
+            if d is None:
+                raise KeyError(f"unknown demand {demand_id!r}")
+            if demand_id in self._placing:
+                raise RuntimeError(f"demand {demand_id} is being placed")
+            self.store.delete_demand(demand_id)
         return {"id": demand_id, "cancelled": True}
 
     def consolidate(self, dry_run: bool = False, max_moves: int = 10, transfer: str | None = None) -> dict:
@@ -957,7 +971,7 @@ class Controller:
                 if cur is None or cur.state != DemandState.PENDING or cur.id in self._placing:
                     continue
                 try:
-                    out = self._seat_demand(cur, make_room=True, queue=True)
+                    out = self._seat_demand(cur, make_room=True, queue=True, stored=True)
                 except Exception as exc:  # noqa: BLE001 - one demand failing never stops the others
                     log.warning("demand %s: %s", d.id, exc)
                     continue
