@@ -184,11 +184,29 @@ def host_env(cluster: EmulatedCluster, h: EmulatedHost, health_check_period_ms: 
     }
 
 
+def _kept_visible() -> list[Path]:
+    """What a host's processes run from and must still see when its private directories cover
+    the machine's: the repository, the virtual environment and the model cache. A checkout under
+    /tmp (a CI runner's) would otherwise vanish under the host's own /tmp."""
+    from relocator.tinymodel import cache_root
+
+    paths = sorted({Path(p).resolve() for p in (REPO, sys.prefix, cache_root())})
+    return [p for i, p in enumerate(paths) if not any(p.is_relative_to(q) for q in paths[:i])]
+
+
 def in_host(h: EmulatedHost, argv: list[str]) -> list[str]:
     """`argv` run inside host `h`: its network namespace, a private mount namespace with its own
-    /var/lib/relocator, /run/relocator and /tmp, and its own hostname."""
-    binds = " && ".join(f'mount --bind "$0/{key}" {target}' for key, target in PRIVATE.items())
-    script = f'{binds} && hostname "$1" && shift 2 && exec "$@"'
+    /var/lib/relocator, /run/relocator and /tmp, and its own hostname. A kept path (the repo,
+    the venv, the model cache) under one of those is bound into the host's own directory first,
+    at the same place, so it stays where it was."""
+    steps = []
+    for key, target in PRIVATE.items():
+        for p in _kept_visible():
+            if p.is_relative_to(target):
+                inner = f'"$0/{key}/{p.relative_to(target)}"'
+                steps.append(f"mkdir -p {inner} && mount --bind '{p}' {inner}")
+        steps.append(f'mount --rbind "$0/{key}" {target}')  # --rbind: with the kept paths in it
+    script = f'{" && ".join(steps)} && hostname "$1" && shift 2 && exec "$@"'
     return ["ip", "netns", "exec", h.netns, "unshare", "--mount", "--uts", "--propagation", "private",
             "sh", "-c", script, h.dir, h.name, h.name, *argv]
 
