@@ -8,14 +8,12 @@ import os
 import shutil
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from relocator.gateways.childproc import ChildServer
 from relocator.gateways.epp import DESTINATION, LB_NAMESPACE
 
 
@@ -79,8 +77,10 @@ def bootstrap(listen_port: int, epp_port: int, admin_port: int,
             ]}}
 
 
-class EnvoyProc:
+class EnvoyProc(ChildServer):
     """`with EnvoyProc(config, workdir, admin_port): ...` - Envoy as a child process."""
+
+    name = "envoy"
 
     def __init__(self, config: dict, workdir: Path, admin_port: int) -> None:
         self.config, self.workdir, self.admin_port = config, Path(workdir), admin_port
@@ -100,40 +100,5 @@ class EnvoyProc:
              "--concurrency", "2"], stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True)
         log.close()
-        deadline = time.monotonic() + timeout_s
-        url = f"http://127.0.0.1:{self.admin_port}/ready"
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"envoy exited with {self.proc.returncode}: {self.tail()}")
-            try:
-                with urllib.request.urlopen(url, timeout=1) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"envoy not ready after {timeout_s:g}s: {self.tail()}")
-
-    def tail(self, n: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        p = self.proc
-        if p is None or p.poll() is not None:
-            return
-        p.terminate()
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
-
-    def __enter__(self) -> "EnvoyProc":
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+        self._wait_ready(f"http://127.0.0.1:{self.admin_port}/ready", timeout_s)
+        return self

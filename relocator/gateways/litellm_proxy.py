@@ -11,13 +11,12 @@ import os
 import secrets
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from relocator.gateways.childproc import ChildServer
 
 
 #: the pinned release (requirements-gateway.lock), checked by tests against what is installed
@@ -73,9 +72,14 @@ def plain_config(model: str, api_base: str) -> dict[str, Any]:
             "router_settings": {"num_retries": 0}}
 
 
-class LiteLLMProxy:
+class LiteLLMProxy(ChildServer):
     """`with LiteLLMProxy(config, workdir, port) as p: p.url` - the proxy as a child process.
     `env` adds variables (e.g. RELOCATOR_GATEWAY_CONFIG for the plugin)."""
+
+    name = "LiteLLM"
+    poll_s = 0.3
+    probe_timeout_s = 2.0
+    stop_grace_s = 15.0
 
     def __init__(self, config: dict, workdir: Path, port: int,
                  env: dict[str, str] | None = None) -> None:
@@ -111,43 +115,8 @@ class LiteLLMProxy:
             cwd=self.workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True)
         log.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"LiteLLM exited with {self.proc.returncode}: "
-                                   f"{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health/liveliness", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"LiteLLM not ready after {timeout_s:g}s: {self.tail()}")
-
-    def tail(self, n: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        p = self.proc
-        if p is None or p.poll() is not None:
-            return
-        p.terminate()
-        try:
-            p.wait(15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
-
-    def __enter__(self) -> "LiteLLMProxy":
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+        self._wait_ready(self.url + "/health/liveliness", timeout_s)
+        return self
 
 
 if __name__ == "__main__":  # pragma: no cover - manual use
