@@ -13,31 +13,12 @@ import time
 import pytest
 
 from relocator.cluster.streams import Load, reference
+from tests.helpers import clean, wait_for, workers
 
 pytestmark = pytest.mark.integration
 MODEL = "tiny-llama"
 MAX_TOKENS = 96
 TENANT = "test-tenant-n3"  # another tenant's reservation: not a worker, never moved
-
-
-def clean(rep: dict) -> None:
-    assert rep["requests"] > 0
-    assert rep["client_errors"] == 0, rep["errors"]
-    assert (rep["tokens_lost"], rep["tokens_duplicated"], rep["tokens_mismatched"]) == (0, 0, 0), rep
-    assert rep["text_mismatched"] == 0, rep["text_bad"]
-
-
-def workers(ctl) -> dict[str, dict]:
-    return {w["id"]: w for w in ctl.status()["workers"]}
-
-
-def wait_for(pred, timeout: float = 120.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.5)
-    raise TimeoutError(what)
 
 
 @pytest.fixture(scope="module")

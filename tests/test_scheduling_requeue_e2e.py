@@ -15,32 +15,13 @@ import time
 import pytest
 
 from relocator.cluster.streams import Load, reference
+from tests.helpers import clean, wait_for, workers
 
 pytestmark = pytest.mark.integration
 MODEL = "tiny-llama"
 ENGINE = "reference"
 MAX_TOKENS = 48
 TENANT = "test-tenant-requeue"  # another tenant's reservations: not workers, never moved
-
-
-def clean(rep: dict) -> None:
-    assert rep["requests"] > 0
-    assert rep["client_errors"] == 0, rep["errors"]
-    assert (rep["tokens_lost"], rep["tokens_duplicated"], rep["tokens_mismatched"]) == (0, 0, 0), rep
-    assert rep["text_mismatched"] == 0, rep["text_bad"]
-
-
-def workers(ctl) -> dict[str, dict]:
-    return {w["id"]: w for w in ctl.status()["workers"]}
-
-
-def wait_for(pred, timeout: float = 90.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.3)
-    raise TimeoutError(what)
 
 
 def stop_all(ctl, ids) -> None:
