@@ -24,7 +24,6 @@ router's (one table, one control API for both)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import AsyncIterator, Callable, Mapping
 from urllib.parse import urlsplit
@@ -38,7 +37,7 @@ from google.protobuf import duration_pb2, struct_pb2
 
 from relocator.gateways import ViaRouter
 from relocator.router import errors
-from relocator.router.core import RouterCore
+from relocator.router.core import RouterCore, parse_body
 from relocator.router.errors import RouterError
 from relocator.router.table import Replica, RoutingTable
 
@@ -163,7 +162,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
     async def _pick(self, headers: Mapping[str, str], raw: bytes):
         """Yields responses for Envoy, and the acquired replica (kept until the stream ends)."""
         try:
-            body = self._parse(raw)
+            body = parse_body(raw, self.table)
             model = body["model"]
             if self._via_router(body):
                 if not self.table.has_model(model):
@@ -187,22 +186,6 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         except RouterError as e:
             self._count("refused")
             yield refused(e)
-
-    def _parse(self, raw: bytes) -> dict:
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise errors.bad_request(f"Malformed JSON body: {e}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise errors.bad_request("The request body must be a JSON object.",
-                                     code="invalid_json")
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise errors.bad_request("Missing required parameter: 'model'.",
-                                     code="missing_model", param="model")
-        if not self.table.has_model(model):
-            raise errors.model_not_found(model)
-        return body
 
     def _via_router(self, body: dict) -> bool:
         if self.router_endpoint is None or self.via_router is ViaRouter.NONE:

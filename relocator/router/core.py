@@ -154,20 +154,8 @@ class RouterCore:
         t0 = time.perf_counter()
         if len(raw) > self.max_body_bytes:
             raise errors.body_too_large(self.max_body_bytes)
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            # RecursionError: JSON nested deeper than the parser's stack (an abuse case).
-            raise errors.bad_request(f"Malformed JSON body: {e}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise errors.bad_request("The request body must be a JSON object.",
-                                     code="invalid_json")
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise errors.bad_request("Missing required parameter: 'model'.",
-                                     code="missing_model", param="model")
-        if not self.table.has_model(model):
-            raise errors.model_not_found(model)
+        body = parse_body(raw, self.table)
+        model = body["model"]
         if kind == "chat" and not isinstance(body.get("messages"), list):
             raise errors.bad_request("Missing required parameter: 'messages'.",
                                      code="missing_required_parameter", param="messages")
@@ -594,6 +582,25 @@ class RouterCore:
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "relocator",
                  "root": m, "parent": None} for m in self.table.models()]
         return json.dumps({"object": "list", "data": data}).encode()
+
+
+def parse_body(raw: bytes, table: RoutingTable) -> dict:
+    """A request body as a JSON object naming a model the table serves, or a 4xx RouterError."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        # RecursionError: JSON nested deeper than the parser's stack (an abuse case).
+        raise errors.bad_request(f"Malformed JSON body: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise errors.bad_request("The request body must be a JSON object.",
+                                 code="invalid_json")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise errors.bad_request("Missing required parameter: 'model'.",
+                                 code="missing_model", param="model")
+    if not table.has_model(model):
+        raise errors.model_not_found(model)
+    return body
 
 
 def _ids(reps: list[Replica]) -> set[str]:
