@@ -85,6 +85,8 @@ def _alive(pid: int | None) -> bool:
 
 # -- the keeper process ---------------------------------------------------------------------------
 class Keeper:
+    PUMP_BITE = 64 << 10  # push-channel bytes read between two looks at the daemon and the source
+    PUMP_QUIET_S = 0.005  # ... and only once no page fault came for this long
     def __init__(self, args: argparse.Namespace) -> None:
         self.a = args
         self.cell_dir = Path(args.cell_dir)
@@ -136,6 +138,14 @@ class Keeper:
             return 3
         up.settimeout(None)
         up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        pump = None
+        if a.pump_port:
+            try:  # the push channel is an accelerator only: without it every page comes by request
+                pump = socket.create_connection((a.source, a.pump_port), timeout=a.connect_timeout)
+                pump.settimeout(None)
+                pump.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            except OSError as exc:
+                self.state(pump_error=f"cannot reach the source's pump: {exc}")
         from relocator.snapshot import criu
 
         try:
@@ -150,15 +160,19 @@ class Keeper:
             os.write(a.status_fd, b"\0")
             os.close(a.status_fd)
         try:
-            return self.relay(lst, up)
+            return self.relay(lst, up, pump)
         finally:
             lst.close()
+            if pump is not None:
+                pump.close()
 
-    def relay(self, lst: socket.socket, up: socket.socket) -> int:
-        """Serve the daemon's requests in order, from pages fetched ahead when they are here,
-        through the source otherwise; fetch ahead everything the pagemaps mark lazy."""
+    def relay(self, lst: socket.socket, up: socket.socket, pump: socket.socket | None = None) -> int:
+        """Serve the daemon's requests in order, from pages pushed (or fetched ahead) when they
+        are here, through the source's page server otherwise."""
         a = self.a
-        px = _Proxy(_lazy_ranges(Path(a.image_dir)) if a.prefetch else [], a.prefetch_depth, a.cache_bytes)
+        prefetch = a.prefetch and pump is None  # the push brings every page already
+        px = _Proxy(_lazy_ranges(Path(a.image_dir)) if prefetch else [], a.prefetch_depth, a.cache_bytes,
+                    pushed=pump is not None)
         down: socket.socket | None = None
         last_up = time.monotonic()
         self.state(state="running")
@@ -181,6 +195,12 @@ class Keeper:
             socks = [down if down is not None else lst]
             if now >= throttle_until:
                 socks.append(up)
+                if pump is not None and px.cached < px.cache_cap:
+                    quiet = px.last_fault + self.PUMP_QUIET_S - now
+                    if quiet <= 0:
+                        socks.append(pump)
+                    else:  # not even looked at while faults come (a readable socket would spin)
+                        wait = min(wait, quiet)
             else:
                 wait = min(wait, throttle_until - now)
             r, _, _ = select.select(socks, [], [], wait)
@@ -206,6 +226,22 @@ class Keeper:
                 except OSError as exc:
                     why, error = "source", f"the source's page server went away: {exc}"
                     break
+            if pump is not None and pump in r and up not in r and (down is None or down not in r):
+                # the push in the gaps only, a bite at a time and at the lowest priority: while
+                # page faults come, they are served first, and the restored worker's own work
+                # is not slowed down by this process's copying
+                _raise_priority(0, 19)
+                try:
+                    n = px.pump_recv(pump, self.PUMP_BITE)
+                except OSError:
+                    n = 0
+                finally:
+                    _raise_priority(0)
+                if not n:  # everything pushed, or the pump went away: requests bring the rest
+                    pump.close()
+                    pump = None
+                elif a.throttle_bps:
+                        throttle_until = max(now, throttle_until) + n / a.throttle_bps
             if up in r:
                 try:
                     n = up.recv_into(buf)
@@ -235,10 +271,13 @@ class Keeper:
                 last_up = now  # nothing owed: a wait for an answer starts only with a request
             if now - self.last_flush > 0.2:
                 self.last_flush = now
-                self.state(page_bytes=px.page_bytes, served_bytes=px.served_bytes, requests=px.requests,
-                           cache_hits=px.hits)
-        fields = dict(page_bytes=px.page_bytes, served_bytes=px.served_bytes, requests=px.requests,
-                      cache_hits=px.hits, seconds=round(time.monotonic() - self.t0, 3), ended_at=time.time())
+                self.state(page_bytes=px.page_bytes + px.pushed_bytes - px.pushed_dropped, served_bytes=px.served_bytes,
+                           requests=px.requests, cache_hits=px.hits, pushed_bytes=px.pushed_bytes)
+        if px.trace is not None:
+            Path(os.environ["RELOCATOR_POSTCOPY_TRACE"], f"{self.cell_dir.name}.json").write_text(json.dumps(px.trace))
+        fields = dict(page_bytes=px.page_bytes + px.pushed_bytes - px.pushed_dropped, served_bytes=px.served_bytes, requests=px.requests,
+                      cache_hits=px.hits, pushed_bytes=px.pushed_bytes, pushed_dropped_bytes=px.pushed_dropped,
+                      requested_bytes=px.page_bytes, seconds=round(time.monotonic() - self.t0, 3), ended_at=time.time())
         if why is not None:
             # the memory cannot arrive: the tree must never run on without it
             killed = self.kill_tree()
@@ -277,9 +316,9 @@ class Keeper:
 PRIORITY = -10  # nice value of the processes a post-copy's page faults wait on
 
 
-def _raise_priority(pid: int) -> None:
+def _raise_priority(pid: int, nice: int = PRIORITY) -> None:
     try:
-        os.setpriority(os.PRIO_PROCESS, pid, PRIORITY)
+        os.setpriority(os.PRIO_PROCESS, pid, nice)
     except OSError:  # not root: as is
         pass
 
@@ -310,7 +349,8 @@ class _Proxy:
     FAULT_WINDOW_S = 0.25  # background requests stay small this long after a page fault ...
     BUSY_PAGES = 16  # ... at most 64 KiB each
 
-    def __init__(self, ranges: list[tuple[int, int, int]], depth: int, cache_bytes: int) -> None:
+    def __init__(self, ranges: list[tuple[int, int, int]], depth: int, cache_bytes: int,
+                 pushed: bool = False) -> None:
         from collections import deque
 
         self.todo = deque(ranges)
@@ -329,6 +369,15 @@ class _Proxy:
         self.pf_inflight = 0
         self.xfer_pages = 16  # 64 KiB after a fault, +64 KiB per answer while no fault comes
         self.last_fault = float("-inf")
+        # the push channel (relocator.agent.pump): frames being read, and what went by request,
+        # so that a pushed copy of a page the daemon already has is dropped, not kept forever
+        self.pushed = pushed
+        self.missed: dict[int, set[int]] = {}
+        self.p_head = b""
+        self.p_body = bytearray()
+        self.p_need = 0
+        self.pushed_bytes = self.pushed_dropped = 0
+        self.trace: list | None = [] if os.environ.get("RELOCATOR_POSTCOPY_TRACE") else None
 
     # -- ahead of need ------------------------------------------------------------------
     def next_prefetch(self) -> list[bytes]:
@@ -377,6 +426,67 @@ class _Proxy:
             chunks[start][2] = served
         return [PSI.pack(6 | (4 << 16), take, vaddr, pid), out]  # PS_IOV_ADD_F, PE_PRESENT
 
+    def _next_start(self, pid: int, vaddr: int) -> int | None:
+        import bisect
+
+        starts = self.starts.get(pid)
+        if not starts:
+            return None
+        i = bisect.bisect_right(starts, vaddr)
+        return starts[i] if i < len(starts) else None
+
+    def _keep(self, pid: int, at: int, data, end: int) -> None:
+        import bisect
+
+        self.cache.setdefault(pid, {})[at] = [end, data, 0]
+        bisect.insort(self.starts.setdefault(pid, []), at)
+        self.cached += end - at
+
+    # -- the push channel ---------------------------------------------------------------------
+    def pump_recv(self, sock: socket.socket, limit: int) -> int:
+        """Read at most `limit` bytes of the push channel, straight into the frame they belong
+        to; 0 when it closed (everything pushed, or the pump went away)."""
+        from relocator.agent.pump import FRAME
+
+        if len(self.p_head) < FRAME.size:
+            got = sock.recv(FRAME.size - len(self.p_head))
+            if not got:
+                return 0
+            self.p_head += got
+            if len(self.p_head) == FRAME.size:
+                self.p_body, self.p_need = bytearray(FRAME.unpack(self.p_head)[2]), 0
+            return len(got)
+        n = sock.recv_into(memoryview(self.p_body)[self.p_need:], min(limit, len(self.p_body) - self.p_need))
+        if not n:
+            return 0
+        self.p_need += n  # bytes of the body read so far
+        if self.p_need == len(self.p_body):
+            pid, vaddr, _size = FRAME.unpack(self.p_head)
+            self._pushed(pid, vaddr, self.p_body)
+            self.p_head, self.p_body, self.p_need = b"", bytearray(), 0
+        return n
+
+    def _pushed(self, pid: int, vaddr: int, body: bytearray) -> None:
+        """Keep a pushed run, less the pages the daemon already asked the source for."""
+        self.pushed_bytes += len(body)
+        pages = len(body) // PAGE_SIZE
+        p0 = vaddr // PAGE_SIZE
+        missed = self.missed.get(pid)
+        if not missed or missed.isdisjoint(range(p0, p0 + pages)):
+            self._keep(pid, vaddr, body, vaddr + pages * PAGE_SIZE)
+            return
+        view = memoryview(body)
+        run = None
+        for i in range(pages + 1):
+            gone = i == pages or (p0 + i) in missed
+            if gone and run is not None:
+                self._keep(pid, vaddr + run * PAGE_SIZE, view[run * PAGE_SIZE:i * PAGE_SIZE], vaddr + i * PAGE_SIZE)
+                run = None
+            elif not gone and run is None:
+                run = i
+            if gone and i < pages:
+                self.pushed_dropped += PAGE_SIZE
+
     # -- the daemon ------------------------------------------------------------------------
     def from_daemon(self, data: bytes) -> list[bytes]:
         self.in_buf += data
@@ -386,7 +496,7 @@ class _Proxy:
             self.in_buf = self.in_buf[PSI.size:]
             cmd, n, vaddr, pid = PSI.unpack(raw)
             self.requests += 1
-            slot = {"data": None}
+            slot = {"data": None, "t": time.monotonic(), "n": n}
             self.down_q.append(slot)
             cmd &= PS_CMD_MASK
             if cmd in (PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE):
@@ -394,21 +504,32 @@ class _Proxy:
                 self.up_q.append(("close", 0, 0, 0, slot))
                 out.append(raw)
                 continue
+            busy = False
             if cmd == PS_IOV_GET:
                 now = time.monotonic()
                 if n <= 1:  # the daemon asks one page for a fault, more for its background copy
                     self.last_fault = now
-                elif now - self.last_fault < self.FAULT_WINDOW_S and n > self.BUSY_PAGES:
-                    # answers come back in order on one connection: while faults come, a page
-                    # fault must not wait behind megabytes of background copy. The daemon takes
-                    # fewer pages than it asked for and asks the rest later
-                    n = self.BUSY_PAGES
-                    raw = PSI.pack(cmd, n, vaddr, pid)
+                else:
+                    busy = now - self.last_fault < self.FAULT_WINDOW_S and n > self.BUSY_PAGES
             hit = self._lookup(pid, vaddr, n) if cmd == PS_IOV_GET else None
             if hit is not None:
                 self.hits += 1
                 slot["data"] = hit
             else:
+                if busy:
+                    # answers come back in order on one connection: while faults come, a page
+                    # fault must not wait behind megabytes of background copy. The daemon takes
+                    # fewer pages than it asked for and asks the rest later
+                    n = self.BUSY_PAGES
+                    raw = PSI.pack(cmd, n, vaddr, pid)
+                if cmd == PS_IOV_GET and self.pushed:
+                    # up to the next pushed run only: the daemon asks the rest later and finds it
+                    nxt = self._next_start(pid, vaddr)
+                    if nxt is not None and vaddr + n * PAGE_SIZE > nxt:
+                        n = max(1, (nxt - vaddr) // PAGE_SIZE)
+                        raw = PSI.pack(cmd, n, vaddr, pid)
+                    p0 = vaddr // PAGE_SIZE
+                    self.missed.setdefault(pid, set()).update(range(p0, p0 + n))
                 self.up_q.append(("d", pid, vaddr, n, slot))
                 self.xfer_pages = 16
                 out.append(raw)
@@ -416,9 +537,12 @@ class _Proxy:
 
     def flush(self, down: socket.socket) -> None:
         while self.down_q and self.down_q[0]["data"] is not None:
-            parts = self.down_q.popleft()["data"]
+            slot = self.down_q.popleft()
+            parts = slot["data"]
             for part in parts:
                 down.sendall(part)
+            if self.trace is not None:
+                self.trace.append((round(slot["t"], 4), slot["n"], round(time.monotonic() - slot["t"], 5)))
             self.served_bytes += sum(len(p) for p in parts[1:])
 
     # -- the source ------------------------------------------------------------------------
@@ -465,11 +589,7 @@ class _Proxy:
         else:  # fetched ahead: keep until the daemon asks; the rest of the run comes next
             self.pf_inflight -= 1
             if got:
-                import bisect
-
-                self.cache.setdefault(pid, {})[at] = [at + got * PAGE_SIZE, self.body, 0]
-                bisect.insort(self.starts.setdefault(pid, []), at)
-                self.cached += got * PAGE_SIZE
+                self._keep(pid, at, self.body, at + got * PAGE_SIZE)
             if got < n:
                 self.todo.appendleft((pid, vaddr + got * PAGE_SIZE, n - got))
         self.head, self.body, self.need = b"", bytearray(), 0
@@ -490,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefetch", type=int, default=0)
     p.add_argument("--prefetch-depth", type=int, default=1)
     p.add_argument("--cache-bytes", type=int, default=1 << 30)
+    p.add_argument("--pump-port", type=int, default=0)  # the source's push channel (relocator.agent.pump)
     p.add_argument("--status-fd", type=int, default=-1)
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -507,8 +628,8 @@ class TargetSession:
     """What a target agent starts for one post-copy restore (snapshot.restore's `lazy` hook)."""
 
     def __init__(self, source: str, port: int, stall_s: float = 3.0, throttle_bps: float = 0.0,
-                 ready_timeout: float = 60.0) -> None:
-        self.source, self.port = source, port
+                 ready_timeout: float = 60.0, pump_port: int = 0) -> None:
+        self.source, self.port, self.pump_port = source, port, pump_port
         self.stall_s, self.throttle_bps, self.ready_timeout = stall_s, throttle_bps, ready_timeout
         self.proc = None
 
@@ -529,7 +650,7 @@ class TargetSession:
                 # off by default: with a 3 GB image, fetching ahead (even fault-friendly) doubled
                 # the health check and the blackout on a 2-core node (docs/benchmarks.md, issue 14);
                 # RELOCATOR_POSTCOPY_PREFETCH=1 turns it on
-                "--prefetch", os.environ.get("RELOCATOR_POSTCOPY_PREFETCH", "0")]
+                "--prefetch", os.environ.get("RELOCATOR_POSTCOPY_PREFETCH", "0"), "--pump-port", str(self.pump_port)]
         env = {**os.environ, "PYTHONPATH": repo}
         try:
             self.proc = criu.CriuProcess(argv, cell_dir / "keeper.log", "post-copy keeper", cwd=repo, env=env)
@@ -651,6 +772,9 @@ class LazySource:
         return how
 
     def clear(self) -> None:
+        from relocator.agent import pump
+
+        pump.stop(self.cell_dir)  # it ends by itself with the dump; this makes sure
         (self.cell_dir / self.FILE).unlink(missing_ok=True)
 
 

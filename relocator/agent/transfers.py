@@ -107,12 +107,21 @@ class TransferOps:
             _raise_priority(proc.pid)  # its page server answers the target's page faults
             LazySource(cell.dir).record(proc.pid, address, port, str(image_dir))
             self._lazy_dumps[cell_id] = proc
+            pump_port, pump_error = 0, ""
+            if os.environ.get("RELOCATOR_POSTCOPY_PUSH", "1") != "0":
+                from relocator.agent import pump
+                from relocator.snapshot.criu import CriuError
+
+                try:  # the memory's bulk on a channel of its own (relocator.agent.pump)
+                    _, pump_port = pump.start(cell.dir, Path(image_dir), cell.init_pid, proc.pid, address)
+                except (CriuError, OSError, KeyError, ValueError) as exc:  # on demand only, then
+                    pump_error = str(exc)[:500]
             try:
                 lazy = lazy_bytes(Path(image_dir))
             except Exception:  # noqa: BLE001 - a figure only
                 lazy = 0
             return {"image_dir": str(img.path), "bytes": img.bytes, "lazy_bytes": lazy, "address": address,
-                    "port": port, "seconds": round(time.monotonic() - t0, 3), "timings": img.manifest.timings,
+                    "port": port, "pump_port": pump_port, "pump_error": pump_error, "seconds": round(time.monotonic() - t0, 3), "timings": img.manifest.timings,
                     "pages": img.manifest.pages.value}
 
     def lazy_dump_wait(self, cell_id: str, timeout: float = 1.0) -> dict[str, Any]:

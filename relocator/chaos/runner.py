@@ -268,28 +268,36 @@ class Injector:
 
     def _postcopy_network_cut(self, rel: dict, still) -> None:
         st = self._postcopy_session(rel, still)
-        port = (rel.get("postcopy") or {}).get("port")
+        pc = rel.get("postcopy") or {}
+        port = pc.get("port")
         if st is None or not port:
             return
         tag = f"relocator-chaos-{rel['id']}"
-        # exactly that connection (its peer port from ss): a rule on the port alone also drops
-        # any other loopback connection that happens to get it as its ephemeral port
-        out = subprocess.run(["ss", "-Htn", "state", "established", f"( sport = :{port} )"],
-                             capture_output=True, text=True).stdout.split()
-        ports = [a.rsplit(":", 1)[1] for a in out if ":" in a and a.rsplit(":", 1)[1].isdigit()]
-        peer = next((p for p in ports if p != str(port)), None)
-        if peer is None:
-            return
-        rules = [["-p", "tcp", "--dport", str(port), "--sport", peer],
-                 ["-p", "tcp", "--sport", str(port), "--dport", peer]]
+        # a cut link cuts both of the source's connections: the page server's and the push's
+        rules, cut = [], []
+        for p in (port, pc.get("pump_port")):
+            if not p:
+                continue
+            # exactly that connection (its peer port from ss): a rule on the port alone also drops
+            # any other loopback connection that happens to get it as its ephemeral port
+            out = subprocess.run(["ss", "-Htn", "state", "established", f"( sport = :{p} )"],
+                                 capture_output=True, text=True).stdout.split()
+            ports = [a.rsplit(":", 1)[1] for a in out if ":" in a and a.rsplit(":", 1)[1].isdigit()]
+            peer = next((x for x in ports if x != str(p)), None)
+            if peer is None:
+                continue
+            rules += [["-p", "tcp", "--dport", str(p), "--sport", peer], ["-p", "tcp", "--sport", str(p), "--dport", peer]]
+            cut.append(f"tcp {p} <-> {peer}")
+        if not cut or not cut[0].startswith(f"tcp {port} "):
+            return  # the page server's connection is gone already (the post-copy ended)
         for r in rules:
             subprocess.run(["iptables", "-I", "INPUT", *r, "-m", "comment", "--comment", tag, "-j", "DROP"],
                            check=True, capture_output=True)
         self._cleanups.append(lambda: [subprocess.run(
             ["iptables", "-D", "INPUT", *r, "-m", "comment", "--comment", tag, "-j", "DROP"], capture_output=True)
             for r in rules])
-        self._mark(cut=f"tcp {port} <-> {peer} (the source's page server and the keeper)", page_bytes=st.get("page_bytes"),
-                   lazy_bytes=st.get("lazy_bytes"))
+        self._mark(cut=", ".join(cut) + " (the source's page server and push, and the keeper)",
+                   page_bytes=st.get("page_bytes"), lazy_bytes=st.get("lazy_bytes"))
 
     def _postcopy_source_loss(self, rel: dict, still) -> None:
         import ray

@@ -66,6 +66,8 @@ def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode = 
         # post-copy: memory that arrived after the router switched, and how long the target
         # needed the source (0 / None for the other modes)
         "pages_after_switch_bytes": pc.get("pages_after_switch_bytes", 0), "postcopy_s": pc.get("postcopy_s"),
+        # of the memory, what came by the source's push channel rather than by request
+        "pushed_bytes": pc.get("pushed_bytes", 0),
         "kv_pool_mb": kv_pool_mb or None,
         "phase_info": _phase_info(full),
         "tokens_lost": load["tokens_lost"], "tokens_duplicated": load["tokens_duplicated"],
@@ -84,7 +86,7 @@ def _phase_info(rel: dict) -> dict:
     """Where DUMP, TRANSFER and RESTORE spent their time, as the agents reported it."""
     keep = ("seconds", "timings", "bytes", "lazy_bytes", "streamed_pages_bytes", "page_server_s", "hash_tail_s",
             "criu_restore_s", "health_s", "gb_per_s", "requested", "why", "postcopy_s", "page_bytes",
-            "pages_after_switch_bytes")
+            "pages_after_switch_bytes", "pushed_bytes", "pump_port", "pump_error", "image_on")
     out = {}
     for p in rel.get("phases", []):
         info = {k: v for k, v in (p.get("info") or {}).items() if k in keep}

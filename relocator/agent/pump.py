@@ -1,0 +1,236 @@
+"""Post-copy's push channel: the source sends the frozen worker's memory to the target's keeper
+on a connection of its own, while CRIU's page server answers the page faults.
+
+CRIU's lazy page server takes one connection, and answers in order on it: a page fault asked
+behind megabytes of background copy waits for all of them (measured: health checks of 3-12 s
+when the keeper fetched ahead on that connection, docs/benchmarks.md, issue 14). So the bulk of
+the memory goes another way, as QEMU's post-copy does with its preempt channel: the **pump**
+reads the lazy ranges of the stopped source tree (`/proc/<pid>/mem`; the tree is frozen from the
+lazy dump until the post-copy ends, so these are the very bytes CRIU would serve) and streams
+them to the keeper, which keeps them until the lazy-pages daemon asks. Faults the push has not
+reached yet still go to CRIU's page server. The push carries no authority of its own: a page
+the daemon already got from CRIU is dropped on arrival, and the source is released only when
+the daemon has closed its session with CRIU's page server (relocator.agent.postcopy).
+
+Frames: a header `<QQI` (the pagemap id CRIU and the daemon know the process by, vaddr, bytes)
+then the bytes. The pump exits once everything is sent or the keeper goes away, when the lazy
+dump it belongs to ends, or when no keeper connects in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+import time
+from pathlib import Path
+
+FRAME = struct.Struct("<QQI")
+CHUNK = 1 << 20  # bytes per frame: big enough for throughput, small enough to interleave processes
+STATE_FILE = "pump.json"
+
+
+def ns_pids(init_pid: int) -> dict[int, int]:
+    """The cell's processes, {pid inside the cell's PID namespace: host pid}; the pagemap ids of
+    an image are the former."""
+    ns = os.readlink(f"/proc/{init_pid}/ns/pid")
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{d}/ns/pid") != ns:
+                continue
+            for line in Path(f"/proc/{d}/status").read_text().splitlines():
+                if line.startswith("NSpid:"):
+                    out[int(line.split()[-1])] = int(d)
+                    break
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def plan(image_dir: Path, pids: dict[int, int]) -> list[tuple[int, int, int, int]]:
+    """(pagemap id, host pid, vaddr, bytes) frames, the processes interleaved a chunk at a
+    time, each in address order: the order the daemon's background copy asks (one request in
+    flight per process, each from its lowest address up)."""
+    from relocator.agent.postcopy import PAGE_SIZE, _lazy_ranges
+
+    per: dict[int, list[tuple[int, int]]] = {}
+    for pid, vaddr, n in _lazy_ranges(image_dir):
+        if pid not in pids:
+            continue
+        end = vaddr + n * PAGE_SIZE
+        while vaddr < end:
+            take = min(CHUNK, end - vaddr)
+            per.setdefault(pid, []).append((vaddr, take))
+            vaddr += take
+    frames = []
+    queues = [(pid, iter(chunks)) for pid, chunks in sorted(per.items())]
+    while queues:
+        alive = []
+        for pid, it in queues:
+            nxt = next(it, None)
+            if nxt is not None:
+                frames.append((pid, pids[pid], *nxt))
+                alive.append((pid, it))
+        queues = alive
+    return frames
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Pump:
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.cell_dir = Path(a.cell_dir)
+
+    def state(self, **fields) -> None:
+        path = self.cell_dir / STATE_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), **fields, "updated": time.time()}))
+        os.replace(tmp, path)
+
+    def run(self) -> int:
+        a = self.a
+        try:  # CPU the node has to spare only: the restored worker's page faults come first
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (OSError, AttributeError):
+            pass
+        pids = ns_pids(a.init_pid)
+        frames = plan(Path(a.image_dir), pids)
+        lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        lst.bind((a.address, 0))
+        lst.listen(1)
+        port = lst.getsockname()[1]
+        total = sum(f[3] for f in frames)
+        self.state(state="listening", port=port, address=a.address, bytes=total, frames=len(frames))
+        if a.status_fd >= 0:
+            os.write(a.status_fd, b"\0")
+            os.close(a.status_fd)
+        deadline = time.monotonic() + a.accept_timeout
+        conn = None
+        while conn is None:
+            if not _alive(a.dump_pid):
+                self.state(state="ended", why="the lazy dump ended before a keeper connected", port=port)
+                return 0
+            if time.monotonic() > deadline:
+                self.state(state="ended", why=f"no keeper connected in {a.accept_timeout:g}s", port=port)
+                return 0
+            r, _, _ = select.select([lst], [], [], 0.2)
+            if r:
+                conn, _ = lst.accept()
+        lst.close()
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        self.state(state="sending", port=port, bytes=total, frames=len(frames))
+        sent = skipped = 0
+        buf = bytearray(CHUNK)
+        fds: dict[int, int] = {}
+        t0 = time.monotonic()
+        last_check = t0
+        try:
+            for vpid, hpid, vaddr, size in frames:
+                now = time.monotonic()
+                if now - last_check > 0.25:
+                    last_check = now
+                    if not _alive(a.dump_pid):  # the post-copy ended or was given up
+                        break
+                fd = fds.get(hpid)
+                if fd is None:
+                    fd = fds[hpid] = os.open(f"/proc/{hpid}/mem", os.O_RDONLY)
+                view = memoryview(buf)[:size]
+                try:
+                    got = os.preadv(fd, [view], vaddr)
+                except OSError:
+                    got = 0  # not readable (gone, unmapped): the daemon asks CRIU for these
+                got -= got % 4096
+                if not got:
+                    skipped += size
+                    continue
+                conn.sendall(FRAME.pack(vpid, vaddr, got))
+                conn.sendall(view[:got])
+                sent += got
+        except OSError as exc:  # the keeper went away: it has what it needs, or it failed
+            self.state(state="ended", why=f"keeper gone: {exc}", sent=sent, skipped=skipped,
+                       seconds=round(time.monotonic() - t0, 3))
+            return 0
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        try:
+            conn.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        conn.close()
+        self.state(state="done", sent=sent, skipped=skipped, seconds=round(time.monotonic() - t0, 3))
+        return 0
+
+
+def read_state(cell_dir: Path) -> dict | None:
+    try:
+        return json.loads((Path(cell_dir) / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def stop(cell_dir: Path) -> None:
+    """Stop a cell's pump if it still runs (the post-copy ended or was given up)."""
+    st = read_state(cell_dir) or {}
+    pid = st.get("pid")
+    if not pid:
+        return
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return
+    if b"relocator.agent.pump" in argv and str(cell_dir).encode() in argv:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def start(cell_dir: Path, image_dir: Path, init_pid: int, dump_pid: int, address: str) -> tuple[object, int]:
+    """Start the pump for a lazy dump (`dump_pid`) of the cell; returns (process, port)."""
+    from relocator.snapshot import criu
+
+    repo = str(Path(__file__).resolve().parents[2])
+    argv = [sys.executable, "-S", "-m", "relocator.agent.pump", "--cell-dir", str(cell_dir), "--image-dir",
+            str(image_dir), "--init-pid", str(init_pid), "--dump-pid", str(dump_pid), "--address", address]
+    proc = criu.CriuProcess(argv, Path(cell_dir) / "pump.log", "post-copy pump", cwd=repo,
+                            env={**os.environ, "PYTHONPATH": repo})
+    proc.start(timeout=30)
+    st = read_state(cell_dir) or {}
+    return proc, int(st["port"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m relocator.agent.pump")
+    p.add_argument("--cell-dir", required=True)
+    p.add_argument("--image-dir", required=True)
+    p.add_argument("--init-pid", type=int, required=True)
+    p.add_argument("--dump-pid", type=int, required=True)
+    p.add_argument("--address", required=True)
+    p.add_argument("--accept-timeout", type=float, default=120.0)
+    p.add_argument("--status-fd", type=int, default=-1)
+    args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    return Pump(args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Post-copy's push channel (relocator.agent.pump) and the keeper's use of it: pure logic of the
+keeper's proxy, and the pump reading a real stopped process's memory. The whole path (a real
+lazy dump, CRIU's lazy-pages daemon, vLLM) runs in tests/test_transfer_e2e.py."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from relocator.agent import pump
+from relocator.agent.postcopy import PSI, PS_IOV_GET, _Proxy
+
+PAGE = 4096
+
+
+def _frame(pid: int, vaddr: int, data: bytes) -> bytes:
+    return pump.FRAME.pack(pid, vaddr, len(data)) + data
+
+
+def _push(px: _Proxy, data: bytes, bite: int = 5000) -> None:
+    """Feed push-channel bytes to the proxy through a real socket, in bites."""
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(data)
+        a.shutdown(socket.SHUT_WR)
+        while px.pump_recv(b, bite):
+            pass
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.sent = b""
+
+    def sendall(self, b) -> None:
+        self.sent += bytes(b)
+
+
+def _answer(pid: int, vaddr: int, data: bytes) -> bytes:
+    return PSI.pack(6 | (4 << 16), len(data) // PAGE, vaddr, pid) + data
+
+
+def test_pushed_pages_answer_the_daemon_without_asking_the_source() -> None:
+    px = _Proxy([], depth=1, cache_bytes=1 << 30, pushed=True)
+    pages = b"".join(bytes([i]) * PAGE for i in range(4))
+    frame = _frame(7, 0x10000, pages)
+    _push(px, frame)  # in pieces
+    assert px.pushed_bytes == 4 * PAGE and px.cached == 4 * PAGE
+    # a fault in the middle of the pushed run, then the daemon's background copy of the rest
+    # (it never asks a page twice: its ranges are split around the faulted one)
+    assert px.from_daemon(PSI.pack(PS_IOV_GET, 1, 0x12000, 7)) == []
+    assert px.from_daemon(PSI.pack(PS_IOV_GET, 2, 0x10000, 7)) == []
+    assert px.from_daemon(PSI.pack(PS_IOV_GET, 1024, 0x13000, 7)) == []  # the answer stops at the run's end
+    sink = Sink()
+    px.flush(sink)
+    assert sink.sent == (_answer(7, 0x12000, pages[2 * PAGE:3 * PAGE]) + _answer(7, 0x10000, pages[:2 * PAGE])
+                         + _answer(7, 0x13000, pages[3 * PAGE:]))
+    assert px.hits == 3 and px.page_bytes == 0 and px.cached == 0  # nothing by request, nothing left
+
+
+def test_a_request_stops_where_pushed_pages_begin_and_pushed_copies_of_requested_pages_are_dropped() -> None:
+    px = _Proxy([], depth=1, cache_bytes=1 << 30, pushed=True)
+    _push(px, _frame(7, 0x20000, b"p" * (2 * PAGE)))
+    # background copy from 0x10000: the source is asked up to the pushed run only
+    assert px.from_daemon(PSI.pack(PS_IOV_GET, 1024, 0x10000, 7)) == [PSI.pack(PS_IOV_GET, 16, 0x10000, 7)]
+    # a fault on 0x31000, then the pump pushes 0x30000-0x32fff: the requested page is dropped
+    assert px.from_daemon(PSI.pack(PS_IOV_GET, 1, 0x31000, 7)) == [PSI.pack(PS_IOV_GET, 1, 0x31000, 7)]
+    _push(px, _frame(7, 0x30000, b"a" * PAGE + b"b" * PAGE + b"c" * PAGE))
+    assert px.pushed_dropped == PAGE and px.cached == 4 * PAGE
+    px.from_daemon(PSI.pack(PS_IOV_GET, 1, 0x32000, 7))
+    px.from_source(memoryview(_answer(7, 0x10000, b"s" * (16 * PAGE))))
+    px.from_source(memoryview(_answer(7, 0x31000, b"S" * PAGE)))
+    sink = Sink()
+    px.flush(sink)
+    assert sink.sent == (_answer(7, 0x10000, b"s" * (16 * PAGE)) + _answer(7, 0x31000, b"S" * PAGE)
+                         + _answer(7, 0x32000, b"c" * PAGE))
+
+
+def test_plan_interleaves_processes_in_address_order(monkeypatch) -> None:
+    import relocator.agent.postcopy as pc
+
+    monkeypatch.setattr(pc, "_lazy_ranges", lambda _d: [(1, 0x100000, 512), (1, 0x900000, 1), (2, 0x5000, 3),
+                                                          (9, 0x1000, 1)])
+    frames = pump.plan(Path("/nonexistent"), {1: 101, 2: 102})  # 9: not a process of the cell
+    assert frames == [(1, 101, 0x100000, pump.CHUNK), (2, 102, 0x5000, 3 * PAGE),
+                      (1, 101, 0x200000, pump.CHUNK), (1, 101, 0x900000, PAGE)]
+
+
+_CHILD = """
+import mmap, os, sys
+m = mmap.mmap(-1, 8 * 4096)
+for i in range(8):
+    m[i * 4096:(i + 1) * 4096] = bytes([65 + i]) * 4096
+import ctypes
+addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+print(addr, flush=True)
+os.kill(os.getpid(), 19)  # SIGSTOP: frozen, as a lazy dump leaves the tree
+"""
+
+
+def test_pump_streams_a_stopped_process_memory(tmp_path: Path, monkeypatch) -> None:
+    """The pump's own process against a real stopped process: the frames carry its memory."""
+    child = subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, text=True)
+    try:
+        addr = int(child.stdout.readline())
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        monkeypatch.setattr(pump, "ns_pids", lambda _init: {5: child.pid})
+        import relocator.agent.postcopy as pc
+
+        monkeypatch.setattr(pc, "_lazy_ranges", lambda _d: [(5, addr, 8)])
+        args = argparse.Namespace(cell_dir=str(tmp_path), image_dir=str(tmp_path), init_pid=child.pid,
+                                  dump_pid=os.getpid(), address="127.0.0.1", accept_timeout=10.0, status_fd=-1)
+        p = pump.Pump(args)
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(rc=p.run()), daemon=True)
+        t.start()
+        deadline = time.monotonic() + 10
+        while not (pump.read_state(tmp_path) or {}).get("port"):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        conn = socket.create_connection(("127.0.0.1", pump.read_state(tmp_path)["port"]))
+        got = b""
+        while True:
+            b = conn.recv(1 << 16)
+            if not b:
+                break
+            got += b
+        t.join(10)
+        px = _Proxy([], depth=1, cache_bytes=1 << 30, pushed=True)
+        _push(px, got)
+        assert px.pushed_bytes == 8 * PAGE and out["rc"] == 0
+        assert pump.read_state(tmp_path)["state"] == "done"
+        px.from_daemon(PSI.pack(PS_IOV_GET, 8, addr, 5))
+        sink = Sink()
+        px.flush(sink)
+        assert sink.sent == _answer(5, addr, b"".join(bytes([65 + i]) * PAGE for i in range(8)))
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
