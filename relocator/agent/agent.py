@@ -129,12 +129,33 @@ class NodeAgent(TransferOps):
 
         return fingerprint_of(load_cell(cell_id)).model_dump()
 
-    def compatible(self, fingerprint: dict) -> list[str]:
-        """Reasons this node cannot restore a worker with `fingerprint` (empty: it can)."""
+    def worker_profile(self, cell_id: str) -> dict[str, Any]:
+        """What a move's PLAN needs of a worker on this (source) node: its fingerprint, the
+        launch record and engine the target fingerprints itself against."""
+        from relocator.cell.cell import load_cell
+        from relocator.snapshot.snapshot import fingerprint_of
+
+        cell = load_cell(cell_id)
+        return {"fingerprint": fingerprint_of(cell).model_dump(), "launch": cell.launch, "engine": cell.engine}
+
+    def compatible(self, fingerprint: dict, launch: dict | None = None, engine: str | None = None) -> list[str]:
+        """Reasons this node cannot restore a worker with `fingerprint` (empty: it can). With the
+        worker's `launch` record (and `engine`), the engine part is this node's own for it (its
+        engine version, its weights' hash): what restore will expect, computed now (at PLAN,
+        not in the worker's freeze) and cached for the restore. Without, the host part only."""
         from relocator.snapshot.fingerprint import Fingerprint, compatibility, host_fingerprint
+        from relocator.snapshot.snapshot import engine_fingerprint_for
 
         fp = Fingerprint.model_validate(fingerprint)
-        target = Fingerprint(host=host_fingerprint(), engine=fp.engine)
+        if launch is None:
+            engine_fp = fp.engine
+        else:
+            try:
+                engine_fp = engine_fingerprint_for(launch, engine or fp.engine.engine)
+            except Exception as exc:  # noqa: BLE001 - a target that cannot fingerprint cannot restore
+                return [f"engine: cannot fingerprint {engine or fp.engine.engine} here "
+                        f"({type(exc).__name__}: {exc})"]
+        target = Fingerprint(host=host_fingerprint(), engine=engine_fp)
         return [str(m) for m in compatibility(fp, target)]
 
     # -- lifecycle --------------------------------------------------------------------------

@@ -97,10 +97,13 @@ class RayBackend:
         return node
 
     def compatible(self, worker: WorkerRecord, node: str) -> list[str]:
+        """The target's reasons it cannot restore `worker`: the source's fingerprint against
+        the one the target computes for the worker's launch record (its own engine version and
+        weights, as its restore will; computing it now caches it there for that restore)."""
         if node not in self.ctl.inventory():
             return [f"unknown node {node!r}"]
-        fp = self.call(worker.node, "worker_fingerprint", worker.cell_id, timeout=60)
-        return self.call(node, "compatible", fp, timeout=60)
+        prof = self.call(worker.node, "worker_profile", worker.cell_id, timeout=60)
+        return self.call(node, "compatible", prof["fingerprint"], prof["launch"], prof["engine"], timeout=60)
 
     def image_dir(self, node: str, relocation_id: str) -> str:
         return str(self.ctl.node_dir(node) / "images" / relocation_id)

@@ -13,6 +13,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -92,7 +93,18 @@ def _noop(_step: str, _frac: float | None) -> None:
 
 
 def engine_fingerprint_for(cell_launch: dict, engine: str) -> EngineFingerprint:
-    return get_adapter(engine).fingerprint(spec_from_dict(cell_launch))
+    """The engine part of the fingerprint this host offers a worker launched from
+    `cell_launch`. Cached per process by launch record: a move's PLAN asks the target agent
+    for it (NodeAgent.compatible), so its restore finds it computed (the weights' hash and the
+    engine's version, 0.1-0.27 s, otherwise inside the worker's freeze). The adapters already
+    cache the weights' hash by path, so a cached answer is no staler than before."""
+    key = json.dumps(cell_launch, sort_keys=True, default=str)
+    return _engine_fingerprint(key, engine).model_copy(deep=True)
+
+
+@lru_cache(maxsize=64)
+def _engine_fingerprint(launch_json: str, engine: str) -> EngineFingerprint:
+    return get_adapter(engine).fingerprint(spec_from_dict(json.loads(launch_json)))
 
 
 def fingerprint_of(cell: Cell) -> Fingerprint:
