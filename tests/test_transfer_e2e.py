@@ -61,6 +61,26 @@ def _info(full: dict, phase: str) -> dict:
     return next(p["info"] for p in full["phases"] if p["name"] == phase)
 
 
+def _check_transient_image(ctl, full: dict) -> None:
+    """`transient_images: auto` (the default): the target's image went to its tmpfs when this
+    machine's /dev/shm has room for it (else disk, and PLAN says why), and nothing is left there."""
+    from pathlib import Path
+
+    from relocator.agent import transient
+    from relocator.chaos.leaks import transient_images
+
+    plan, base = _info(full, "PLAN"), ctl.info["base_dir"]
+    space = transient.probe(Path("/dev/shm"))
+    roomy = space.fstype == "tmpfs" and space.free_bytes >= 8 << 30 and (space.mem_available or 0) >= 8 << 30
+    if roomy:
+        assert plan["image_on"] == "tmpfs", plan
+    if plan["image_on"] == "tmpfs":
+        assert full["dst_image_dir"].startswith(str(transient.transient_root(base)) + "/"), full["dst_image_dir"]
+    else:
+        assert plan["image_why"].startswith("tmpfs: "), plan
+    assert not transient_images(base), transient_images(base)  # removed with the move
+
+
 def test_stream_sends_the_memory_through_the_page_server(relocator_cluster, worker, ref) -> None:
     rel, full = _move(relocator_cluster, worker, ref, "stream")
     assert rel["transfer"] == "stream"
@@ -68,6 +88,7 @@ def test_stream_sends_the_memory_through_the_page_server(relocator_cluster, work
     assert dump["pages"] == "remote" and dump["bytes"] < 16 << 20  # only the small images stayed
     assert transfer["streamed_pages_bytes"] > 200 << 20 and transfer["verified"]
     assert rel["image_bytes"] == transfer["bytes"]
+    _check_transient_image(relocator_cluster, full)
 
 
 def test_postcopy_releases_the_source_after_the_last_page(relocator_cluster, worker, ref) -> None:
@@ -77,6 +98,7 @@ def test_postcopy_releases_the_source_after_the_last_page(relocator_cluster, wor
     assert pc["lazy_bytes"] > 200 << 20 and pc["page_bytes"] >= pc["lazy_bytes"] * 0.9, pc
     assert 0 <= pc["pages_after_switch_bytes"] <= pc["page_bytes"] and pc["postcopy_s"] > 0
     assert _info(full, "DUMP")["pages"] == "lazy"
+    _check_transient_image(relocator_cluster, full)
     release = _info(full, "RELEASE")
     assert release["source_dump"]["done"], release  # the source's page server ended before its kill
     # nothing of the move is left running: no keeper, daemon or lazy dump
@@ -91,3 +113,4 @@ def test_auto_picks_shared_when_the_target_sees_the_image_store(relocator_cluste
     assert rel["transfer"] == "shared"
     plan = _info(full, "PLAN")
     assert plan["requested"] == "auto" and "image store" in plan["why"]
+    assert plan["image_on"] == "disk"  # the shared store: nothing transient

@@ -131,12 +131,14 @@ class NodeAgent(TransferOps):
 
     def worker_profile(self, cell_id: str) -> dict[str, Any]:
         """What a move's PLAN needs of a worker on this (source) node: its fingerprint, the
-        launch record and engine the target fingerprints itself against."""
+        launch record and engine the target fingerprints itself against, and how big its image
+        will be about (`image_bytes`: see _image_size_hint)."""
         from relocator.cell.cell import load_cell
         from relocator.snapshot.snapshot import fingerprint_of
 
         cell = load_cell(cell_id)
-        return {"fingerprint": fingerprint_of(cell).model_dump(), "launch": cell.launch, "engine": cell.engine}
+        return {"fingerprint": fingerprint_of(cell).model_dump(), "launch": cell.launch, "engine": cell.engine,
+                "image_bytes": _image_size_hint(cell)}
 
     def compatible(self, fingerprint: dict, launch: dict | None = None, engine: str | None = None) -> list[str]:
         """Reasons this node cannot restore a worker with `fingerprint` (empty: it can). With the
@@ -292,6 +294,36 @@ class NodeAgent(TransferOps):
     def image_dir(self, name: str) -> str:
         return str(self.images_dir / name)
 
+    def transient_image_dir(self, name: str, size_hint: int | None = None,
+                            mode: str = "auto") -> dict[str, Any]:
+        """Where this node keeps image `name` that lives only until it is restored here (stream,
+        postcopy): {"path", "on": tmpfs | disk, "why"}, or {"refused": why} when `mode` is
+        tmpfs and this node has no tmpfs with room (relocator.agent.transient)."""
+        from relocator.agent import transient as T
+
+        try:
+            mode = T.TransientImages(mode)
+        except ValueError as exc:
+            return {"refused": str(exc)}
+        tmpfs = T.node_images(self._cluster_base(), self.node)
+        try:
+            on, why = T.decide(mode, size_hint, T.probe(tmpfs))
+        except T.TransientRefused as exc:
+            return {"refused": f"{tmpfs}: {exc}"}
+        if on == "tmpfs":
+            try:
+                T.make_node_images(self._cluster_base(), self.node)
+            except OSError as exc:
+                if mode is T.TransientImages.TMPFS:
+                    return {"refused": f"{tmpfs}: {exc}"}
+                return {"path": self.image_dir(name), "on": "disk", "why": f"tmpfs: {exc}"}
+            return {"path": str(tmpfs / name), "on": "tmpfs", "why": why}
+        return {"path": self.image_dir(name), "on": "disk", "why": why}
+
+    def _cluster_base(self) -> Path:
+        """The cluster's base directory: images_dir is <base>/nodes/<node>/images."""
+        return Path(os.path.normpath(self.images_dir / ".." / ".." / ".."))
+
     def remove_image(self, image_dir: str) -> None:
         rx = self._receivers.pop(str(image_dir), None)
         if rx is not None:  # a streamed dump that failed: its page server may still wait
@@ -375,6 +407,31 @@ class NodeAgent(TransferOps):
                    "bytes": out["bytes"] + pages["page_bytes"], **{k: v for k, v in pages.items() if k != "page_bytes"},
                    "seconds": round(time.monotonic() - t0, 3)}
         return out
+
+
+def _image_size_hint(cell) -> int | None:
+    """About how big an image of `cell` will be: the resident + swapped memory of its processes
+    (cheap: /proc/<pid>/status of each; an upper bound of the anonymous memory CRIU dumps, as
+    it counts file-backed pages too), plus the memory of its GPUs (a GPU image holds what
+    cuda-checkpoint moved to the host: bounded by the devices' total). None: unknown (the
+    target assumes transient.FALLBACK_IMAGE_BYTES)."""
+    total = 0
+    for pid in cell.pids():
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith(("VmRSS:", "VmSwap:")):
+                    total += int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            continue
+    if cell.gpu_ids:
+        try:
+            from relocator.controller.inventory import local_gpus
+
+            mine = set(cell.gpu_ids)
+            total += sum(g.memory_mib << 20 for g in local_gpus() if g.index in mine)
+        except Exception:  # noqa: BLE001 - NVML unavailable: the host part alone
+            pass
+    return total or None
 
 
 def start_agent(node: str, ray_node_id: str, state_dir: str, images_dir: str):

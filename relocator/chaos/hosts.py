@@ -96,7 +96,10 @@ class EmulatedView(LocalView):
         images: set[str] = set()
         for root in self.roots():
             cs.update(L.cells(root))
-            images |= L.images(root)
+            images |= L.images(root, transient=False)
+        # /dev/shm is not private to a host: one tmpfs root, keyed by the host-internal base;
+        # a dead host's entries would have gone with it (as its directories are skipped above)
+        images |= {i for i in L.transient_images(self.base) if i.split("/", 1)[0] not in self.dead}
         # a dead host's cell namespaces went with it on a real machine; here their names linger
         # until `relocator down` (emulate.stop removes them)
         ns = L.netns() - self.dead_netns()

@@ -1,10 +1,11 @@
 """What a relocation may leave behind, collected before and after and compared.
 
 Kinds: `cells` (recorded under each node's state dir), `netns` (`ip netns` entries `rl-*`),
-`images` (directories under each node's images dir), `placement_groups` (`relocator-*`, not
-removed), `processes` (vLLM processes started by this cluster that are in no recorded cell),
-`transfers` (CRIU page servers, lazy dumps, lazy-pages daemons and post-copy keepers working in
-this cluster's directories: each ends with its move).
+`images` (directories under each node's images dir, and under the cluster's tmpfs root:
+relocator.agent.transient), `placement_groups` (`relocator-*`, not removed), `processes` (vLLM
+processes started by this cluster that are in no recorded cell), `transfers` (CRIU page servers,
+lazy dumps, lazy-pages daemons and post-copy keepers working in this cluster's directories: each
+ends with its move).
 """
 
 from __future__ import annotations
@@ -55,8 +56,21 @@ def netns() -> set[str]:
     return {ln.split()[0] for ln in txt.splitlines() if ln.strip().startswith("rl-")}
 
 
-def images(base: Path) -> set[str]:
-    return {f"{d.parent.parent.name}/{d.name}" for d in Path(base).glob("nodes/*/images/*")}
+def images(base: Path, transient: bool = True) -> set[str]:
+    """Each node's images as "<node>/<image>", and those under the cluster's tmpfs root (a
+    stream/postcopy target's, relocator.agent.transient) as "<node>/tmpfs:<image>"."""
+    out = {f"{d.parent.parent.name}/{d.name}" for d in Path(base).glob("nodes/*/images/*")}
+    if transient:
+        out |= transient_images(base)
+    return out
+
+
+def transient_images(base: str | Path) -> set[str]:
+    """The images under the tmpfs root of the cluster whose base dir is `base` (the path the
+    agents were given: on emulated hosts the host-internal one)."""
+    from relocator.agent.transient import transient_root
+
+    return {f"{d.parent.parent.name}/tmpfs:{d.name}" for d in transient_root(base).glob("*/images/*")}
 
 
 def placement_groups() -> set[str]:

@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from relocator.agent.transient import TransientImages
 from relocator.controller.model import TransferMode
 from relocator.planner.policies import PlacementPolicy
 
@@ -62,6 +63,10 @@ class ControllerSection(_Section):
     # live moves a launch (or resume) may plan to make room; 0: a stock scheduler (place or wait)
     make_room_max_moves: int = Field(4, ge=0, le=64)
     consolidate: ConsolidateSection = ConsolidateSection()
+    # where a stream/postcopy target keeps its image until the restore (relocator.agent.transient):
+    # auto = a tmpfs with room for it (/dev/shm/relocator/...), else disk; tmpfs = always (a move
+    # is refused at PLAN without one); disk = the node's image directory
+    transient_images: TransientImages = TransientImages.AUTO
 
 
 class LocalConfig(BaseSettings):

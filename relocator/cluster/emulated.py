@@ -19,7 +19,7 @@ from typing import Any
 
 from relocator.cluster.config import REPO, LocalConfig
 from relocator.cluster.emulate import RAY_CLIENT_ENV
-from relocator.cluster.local import ClusterError, info_path
+from relocator.cluster.local import ClusterError, info_path, remove_transient_root
 from relocator.controller.model import TransferMode
 
 
@@ -100,5 +100,16 @@ def down_emulated(base: Path, info: dict[str, Any], timeout: float = 300.0) -> d
     except Exception as exc:  # noqa: BLE001 - a broken cluster is still stopped below
         out["undeploy_error"] = str(exc)
     out["hosts"] = emulate.stop(emulate.EmulatedCluster.from_dict(info["emulated"]))
+    # the hosts share this machine's /dev/shm (not one of their private directories), so the
+    # tmpfs roots (relocator.agent.transient) of every deployment made on them (each under
+    # <deploy base_dir>/<id>; a redeploy is a new one) are removed from here
+    try:
+        from relocator.deploy.config import DeployConfig
+
+        cfg = base / "deploy.yaml"
+        dep_base = (DeployConfig.load(cfg) if cfg.exists() else DeployConfig()).base_dir
+        out["transient_images_removed"] = remove_transient_root(dep_base, below=True)
+    except Exception as exc:  # noqa: BLE001 - a broken config leaves only files in /dev/shm
+        out["transient_images_error"] = str(exc)
     info_path(base).unlink(missing_ok=True)
     return out

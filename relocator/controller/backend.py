@@ -43,6 +43,9 @@ class RayBackend:
     def __init__(self, ctl: "Controller") -> None:
         self.ctl = ctl
         self._agents: dict[str, object] = {}  # handles survive an agent's restarts
+        # a worker's expected image size, from the source's answer at compatible() to the
+        # transient_image_dir() of the same PLAN (saves a second call)
+        self._image_bytes: dict[str, int | None] = {}
 
     # -- helpers ------------------------------------------------------------------------------
     def agent(self, node: str):
@@ -103,10 +106,29 @@ class RayBackend:
         if node not in self.ctl.inventory():
             return [f"unknown node {node!r}"]
         prof = self.call(worker.node, "worker_profile", worker.cell_id, timeout=60)
+        self._image_bytes[worker.cell_id] = prof.get("image_bytes")
         return self.call(node, "compatible", prof["fingerprint"], prof["launch"], prof["engine"], timeout=60)
 
     def image_dir(self, node: str, relocation_id: str) -> str:
         return str(self.ctl.node_dir(node) / "images" / relocation_id)
+
+    def transient_image_dir(self, worker: WorkerRecord, node: str, relocation_id: str) -> tuple[str, str, str]:
+        """(path, "tmpfs" | "disk", why) of the target's image directory for a stream or
+        postcopy move: the cluster's `transient_images` setting, decided by the target agent
+        (it knows its own /dev/shm) for the worker's expected image size."""
+        from relocator.agent.transient import TransientImages
+        from relocator.controller.machine import PlanError
+
+        mode = TransientImages(self.ctl.config.get("transient_images") or TransientImages.AUTO)
+        if mode is TransientImages.DISK:
+            return self.image_dir(node, relocation_id), "disk", "transient_images: disk"
+        size = self._image_bytes.pop(worker.cell_id, None)
+        if size is None:
+            size = self.call(worker.node, "worker_profile", worker.cell_id, timeout=60).get("image_bytes")
+        got = self.call(node, "transient_image_dir", relocation_id, size, mode.value, timeout=60)
+        if got.get("refused"):
+            raise PlanError(f"transient_images tmpfs: {node} cannot keep the image on a tmpfs: {got['refused']}")
+        return got["path"], got["on"], got.get("why", "")
 
     # -- reservations --------------------------------------------------------------------------
     def reserve(self, worker: WorkerRecord, node: str, name: str, timeout: float = 15.0) -> list[int]:

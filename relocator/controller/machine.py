@@ -270,11 +270,22 @@ class Machine:
         rel.src_cell, rel.src_endpoint, rel.src_reservation = w.cell_id, w.endpoint, w.reservation
         rel.dst_cell = f"{w.id}-{rel.id}"
         rel.image_dir = self.backend.image_dir(rel.src, rel.id)
-        rel.dst_image_dir = (rel.image_dir if rel.transfer == TransferMode.SHARED
-                             else self.backend.image_dir(rel.dst, rel.id))
+        image_on, image_why = "disk", ""  # shared: the source's image store
+        if rel.transfer == TransferMode.SHARED:
+            rel.dst_image_dir = rel.image_dir
+        else:
+            # the target's copy lives only until it is restored: a tmpfs when the cluster's
+            # transient_images allows it (a backend without the choice: the node's image dir)
+            pick = getattr(self.backend, "transient_image_dir", None)
+            if pick is None:
+                rel.dst_image_dir, image_on = self.backend.image_dir(rel.dst, rel.id), "disk"
+            else:
+                rel.dst_image_dir, image_on, image_why = pick(w, rel.dst, rel.id)
         w.state = "relocating"
         self.store.save_worker(w)
-        out = {"to": rel.dst, "transfer": rel.transfer.value}
+        out = {"to": rel.dst, "transfer": rel.transfer.value, "image_on": image_on}
+        if image_why:
+            out["image_why"] = image_why
         if requested is not rel.transfer or why:
             out.update(requested=requested.value, why=why)
         return out
