@@ -97,6 +97,8 @@ def test_postcopy_releases_the_source_after_the_last_page(relocator_cluster, wor
     pc = rel["postcopy"]
     assert pc["lazy_bytes"] > 200 << 20 and pc["page_bytes"] >= pc["lazy_bytes"] * 0.9, pc
     assert 0 <= pc["pages_after_switch_bytes"] <= pc["page_bytes"] and pc["postcopy_s"] > 0
+    # the bulk came by the push channel, not page by page through CRIU's page server
+    assert pc["pump_port"] and pc["pushed_bytes"] > 0, pc
     assert _info(full, "DUMP")["pages"] == "lazy"
     _check_transient_image(relocator_cluster, full)
     release = _info(full, "RELEASE")

@@ -242,7 +242,8 @@ class NodeAgent(TransferOps):
             if page_source:
                 lazy = TargetSession(page_source["address"], int(page_source["port"]),
                                      stall_s=float(page_source.get("stall_s", 3.0)),
-                                     throttle_bps=float(page_source.get("throttle_bps", 0.0)))
+                                     throttle_bps=float(page_source.get("throttle_bps", 0.0)),
+                                     pump_port=int(page_source.get("pump_port") or 0))
             cell = restore(Path(image_dir), RestoreTarget(cell_id=cell_id, verify=verify, gpu_ids=gpu_ids),
                            lazy=lazy)
             restored = time.monotonic() - t0

@@ -129,8 +129,9 @@ def transfer_processes(base: Path) -> set[str]:
         criu = argv[0].endswith("criu") and (
             "page-server" in argv[1:2] or "lazy-pages" in argv[1:2] or "--lazy-pages" in argv and "dump" in argv[1:2])
         keeper = "relocator.agent.postcopy" in argv
-        if criu or keeper:
-            out.add(f"{pid}:{'keeper' if keeper else 'criu ' + argv[1]}")
+        pump = "relocator.agent.pump" in argv
+        if criu or keeper or pump:
+            out.add(f"{pid}:{'keeper' if keeper else 'pump' if pump else 'criu ' + argv[1]}")
     return out
 
 

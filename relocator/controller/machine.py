@@ -312,7 +312,7 @@ class Machine:
             info = self.backend.dump_lazy(rel.src, rel.src_cell, rel.image_dir)
             rel.image_bytes = int(info.get("bytes", 0)) + int(info.get("lazy_bytes", 0))
             rel.postcopy = {"address": info["address"], "port": info["port"],
-                            "lazy_bytes": int(info.get("lazy_bytes", 0))}
+                            "pump_port": int(info.get("pump_port") or 0), "lazy_bytes": int(info.get("lazy_bytes", 0))}
         else:
             info = self.backend.dump(rel.src, rel.src_cell, rel.image_dir)
             rel.image_bytes = int(info.get("bytes", 0))
@@ -340,6 +340,7 @@ class Machine:
         # a streamed image was hashed byte by byte on arrival: no second pass over it
         if rel.transfer == TransferMode.POSTCOPY:
             source = {"address": rel.postcopy["address"], "port": rel.postcopy["port"],
+                      "pump_port": rel.postcopy.get("pump_port", 0),
                       **{k: v for k, v in (rel.faults.get("postcopy") or {}).items()}}
             info = self.backend.restore(rel.dst, rel.dst_image_dir, rel.dst_cell, verified=True,
                                         gpu_ids=rel.dst_gpu_ids or None, page_source=source)
@@ -414,6 +415,7 @@ class Machine:
         started, ended = st.get("started_at"), st.get("ended_at")
         rel.postcopy.update(
             page_bytes=page_bytes,
+            pushed_bytes=int(st.get("pushed_bytes", 0) or 0),  # of them, by the source's push (relocator.agent.pump)
             pages_after_switch_bytes=max(0, page_bytes - int(rel.postcopy.get("bytes_at_switch", 0))),
             postcopy_s=round(ended - started, 3) if started and ended else None,
             after_switch_s=round(ended - rel.postcopy["switched_at"], 3) if ended and rel.postcopy.get("switched_at")
@@ -433,6 +435,7 @@ class Machine:
                 break
         self._target_alive(rel, "after the post-copy")
         return {"postcopy_s": rel.postcopy.get("postcopy_s"), "page_bytes": page_bytes,
+                "pushed_bytes": rel.postcopy["pushed_bytes"],
                 "pages_after_switch_bytes": rel.postcopy["pages_after_switch_bytes"],
                 "source_dump": src_done}
 
