@@ -36,6 +36,9 @@ class FakeBackend:
         self._call("compatible", worker.id, node)
         return self.incompatible
 
+    def transient_image_dir(self, worker, node, rid):
+        return self.image_dir(node, rid), "disk", "fake backend"
+
     def image_dir(self, node, rid):
         return f"/img/{node}/{rid}"
 

@@ -114,6 +114,8 @@ class Backend(Protocol):
     def pick_target(self, worker: WorkerRecord) -> str: ...
     def compatible(self, worker: WorkerRecord, node: str) -> list[str]: ...
     def image_dir(self, node: str, relocation_id: str) -> str: ...
+    # (path, "tmpfs" | "disk", why) of a stream/postcopy target's image: it lives until restored
+    def transient_image_dir(self, worker: WorkerRecord, node: str, relocation_id: str) -> tuple[str, str, str]: ...
     # reservations (placement groups)
     def reserve(self, worker: WorkerRecord, node: str, name: str) -> list[int] | None: ...  # its GPU ids
     def free(self, name: str) -> None: ...
@@ -275,12 +277,8 @@ class Machine:
             rel.dst_image_dir = rel.image_dir
         else:
             # the target's copy lives only until it is restored: a tmpfs when the cluster's
-            # transient_images allows it (a backend without the choice: the node's image dir)
-            pick = getattr(self.backend, "transient_image_dir", None)
-            if pick is None:
-                rel.dst_image_dir, image_on = self.backend.image_dir(rel.dst, rel.id), "disk"
-            else:
-                rel.dst_image_dir, image_on, image_why = pick(w, rel.dst, rel.id)
+            # transient_images allows it
+            rel.dst_image_dir, image_on, image_why = self.backend.transient_image_dir(w, rel.dst, rel.id)
         w.state = "relocating"
         self.store.save_worker(w)
         out = {"to": rel.dst, "transfer": rel.transfer.value, "image_on": image_on}

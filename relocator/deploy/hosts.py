@@ -78,6 +78,9 @@ def remove_dir(path: str) -> dict[str, Any]:
                 c.kill()
                 cells.append(c.id)
     existed = Path(path).exists()
+    from relocator.agent.transient import transient_root
+
+    shutil.rmtree(transient_root(path), ignore_errors=True)  # stream/postcopy images on its tmpfs
     shutil.rmtree(path, ignore_errors=True)
     return {"hostname": socket.gethostname(), "removed": existed, "cells_killed": cells}
 
