@@ -146,3 +146,40 @@ def test_pump_streams_a_stopped_process_memory(tmp_path: Path, monkeypatch) -> N
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
+
+
+def _keeper_for_prefill(tmp_path: Path, prefill_bytes: int, prefill_s: float = 5.0, stall_s: float = 0.5):
+    from relocator.agent.postcopy import Keeper
+
+    args = argparse.Namespace(cell_dir=str(tmp_path), prefill_bytes=prefill_bytes, prefill_s=prefill_s,
+                              stall_s=stall_s)
+    k = Keeper(args)
+    k.px = _Proxy([], depth=1, cache_bytes=1 << 30, pushed=True)
+    return k
+
+
+def test_prefill_takes_the_push_up_to_its_budget_before_the_tree_starts(tmp_path: Path) -> None:
+    from relocator.agent.postcopy import read_state
+
+    a, b = socket.socketpair()
+    with a:
+        a.sendall(b"".join(_frame(7, 0x10000 + i * 4 * PAGE, bytes([i]) * (4 * PAGE)) for i in range(4)))
+        k = _keeper_for_prefill(tmp_path, prefill_bytes=8 * PAGE)
+        left = k.prefill(b)
+        assert left is b and k.px.pushed_bytes == 8 * PAGE and k.px.cached == 8 * PAGE  # two frames, then stop
+        assert read_state(tmp_path)["prefill_bytes"] == 8 * PAGE
+        # the push ends: the prefill ends with it and says so (None: no push connection left)
+        a.shutdown(socket.SHUT_WR)
+        k2 = _keeper_for_prefill(tmp_path, prefill_bytes=1 << 30)
+        k2.px = k.px
+        assert k2.prefill(b) is None and k.px.pushed_bytes == 16 * PAGE
+
+
+def test_a_stalled_push_only_ends_the_prefill(tmp_path: Path) -> None:
+    a, b = socket.socketpair()
+    with a:
+        a.sendall(_frame(7, 0x10000, b"x" * PAGE) + pump.FRAME.pack(7, 0x20000, 4 * PAGE) + b"y" * 100)
+        k = _keeper_for_prefill(tmp_path, prefill_bytes=1 << 30, stall_s=0.3)
+        t = time.monotonic()
+        assert k.prefill(b) is None  # nothing more comes: given up after stall_s, not hung
+        assert time.monotonic() - t < 5 and k.px.cached == PAGE
