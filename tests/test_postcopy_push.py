@@ -152,7 +152,7 @@ def _keeper_for_prefill(tmp_path: Path, prefill_bytes: int, prefill_s: float = 5
     from relocator.agent.postcopy import Keeper
 
     args = argparse.Namespace(cell_dir=str(tmp_path), prefill_bytes=prefill_bytes, prefill_s=prefill_s,
-                              stall_s=stall_s)
+                              stall_s=stall_s, throttle_bps=0.0)
     k = Keeper(args)
     k.px = _Proxy([], depth=1, cache_bytes=1 << 30, pushed=True)
     return k

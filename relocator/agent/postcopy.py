@@ -186,6 +186,8 @@ class Keeper:
                     pump.close()
                     pump = None
                     break
+                if a.throttle_bps:  # paced like the rest (chaos: faults land while memory moves)
+                    time.sleep(max(0.0, t0 + px.pushed_bytes / a.throttle_bps - time.monotonic()))
         except OSError:  # the push broke: the rest comes by request (or the source is gone: see relay)
             pump.close()
             pump = None
