@@ -363,7 +363,7 @@ class _PostCopyBackend:
             be.cells[(node, cell)] = "stopped"  # frozen, serving its memory
             be._call("dump_lazy", node, cell)
             be.images.add((node, image_dir))
-            return {"bytes": 33, "lazy_bytes": 1000, "address": "127.0.0.1", "port": 4242}
+            return {"bytes": 33, "lazy_bytes": 1000, "address": "127.0.0.1", "port": 4242, "pump_port": 4343}
 
         restore = be.restore
 
@@ -407,7 +407,8 @@ def test_postcopy_releases_the_source_only_after_every_page(tmp_path: Path) -> N
     store, m = _machine_env(tmp_path, be)
     rel = m.run(Relocation(id="r1", worker="w1", src="n1", transfer="auto", faults={"postcopy": {"stall_s": 2}}))
     assert rel.result == DONE and rel.transfer == "postcopy"
-    assert be.page_source == {"address": "127.0.0.1", "port": 4242, "stall_s": 2}
+    # the page server, the push channel beside it, and the fault's settings for the keeper
+    assert be.page_source == {"address": "127.0.0.1", "port": 4242, "pump_port": 4343, "stall_s": 2}
     assert rel.postcopy["pages_after_switch_bytes"] == 600 and rel.postcopy["postcopy_s"] == 4.5
     names = [c[0] for c in be.calls]
     assert names.index("switch") < names.index("kill") and be.lazy_waits == 1  # source killed last
