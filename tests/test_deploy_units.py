@@ -113,6 +113,16 @@ def test_in_host_binds_private_state_dirs():
         assert target in script
 
 
+def test_in_host_mounts_the_private_dir_that_holds_the_host_dir_last():
+    """A cluster under /var/lib/relocator (the default base dir): bound over first, the host's
+    own /var/lib/relocator would hide the sources of /run/relocator and /tmp."""
+    h = emulate.plan(2, "/var/lib/relocator/bench/emulated").hosts[0]
+    argv = emulate.in_host(h, ["true"])
+    script = argv[argv.index("-c") + 1]
+    binds = [script.index(f'mount --rbind "$0/{k}" {t}') for k, t in emulate.PRIVATE.items()]
+    assert binds[list(emulate.PRIVATE).index("var-lib")] == max(binds), script
+
+
 def test_cli_refuses_a_bad_deploy_config_before_connecting(tmp_path):
     from typer.testing import CliRunner
 

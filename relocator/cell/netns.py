@@ -93,6 +93,10 @@ def create(name: str) -> NetLink:
         host_ip, cell_ip = _addresses(block)
         host_if, peer_if = f"rlh{block}", f"rlc{block}"
         link = NetLink(name=name, block=block, host_ip=host_ip, cell_ip=cell_ip, host_if=host_if)
+        # named before it exists: a process (or an emulated host) killed midway leaves this for
+        # whoever cleans up after it (relocator.cluster.emulate._remove_cells), not a stray netns
+        pending = reg / f"{name}.pending"
+        pending.write_text(host_if)
         try:
             _run("ip", "netns", "add", name)
             _run("ip", "link", "add", host_if, "type", "veth", "peer", "name", peer_if)
@@ -106,8 +110,10 @@ def create(name: str) -> NetLink:
                 _run("ip", "-n", name, "route", "add", cidr, "via", host_ip)
         except NetnsError:
             _teardown(name, host_if)
+            pending.unlink(missing_ok=True)
             raise
         record.write_text(json.dumps(asdict(link)))
+        pending.unlink(missing_ok=True)
         (reg / ".last").write_text(str(block))
         return link
 

@@ -200,7 +200,10 @@ def in_host(h: EmulatedHost, argv: list[str]) -> list[str]:
     the venv, the model cache) under one of those is bound into the host's own directory first,
     at the same place, so it stays where it was."""
     steps = []
-    for key, target in PRIVATE.items():
+    # the private directory that covers the host's own directory (a cluster under
+    # /var/lib/relocator: the default) goes last, or it would hide the sources of the others
+    order = sorted(PRIVATE.items(), key=lambda kv: Path(h.dir).resolve().is_relative_to(kv[1]))
+    for key, target in order:
         for p in _kept_visible():
             if p.is_relative_to(target):
                 inner = f'"$0/{key}/{p.relative_to(target)}"'
@@ -290,7 +293,8 @@ def _remove_cells(h: EmulatedHost) -> list[str]:
     """What is left of host `h`'s cells, with their network namespaces, and namespaces of its
     registry (private /run/relocator/net) that never got a cell record."""
     removed = _kill_cells(h, remove_netns=True)
-    for rec in sorted((h.private("run") / "net").glob("*.json")):
+    net = h.private("run") / "net"
+    for rec in sorted([*net.glob("*.json"), *net.glob("*.pending")]):  # pending: killed mid-create
         _run("ip", "netns", "del", rec.stem, check=False)
     return removed
 
