@@ -53,8 +53,9 @@ class PostCopyFailed(RuntimeError):
 
 
 # -- state file -------------------------------------------------------------------------------
-def write_state(cell_dir: Path, **fields: Any) -> dict:
-    path = Path(cell_dir) / STATE_FILE
+def write_state(cell_dir: Path, state_file: str = STATE_FILE, **fields: Any) -> dict:
+    """Merge `fields` into a cell's state file (the keeper's; the pump's is pump.json)."""
+    path = Path(cell_dir) / state_file
     try:
         state = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -66,9 +67,9 @@ def write_state(cell_dir: Path, **fields: Any) -> dict:
     return state
 
 
-def read_state(cell_dir: Path) -> dict | None:
+def read_state(cell_dir: Path, state_file: str = STATE_FILE) -> dict | None:
     try:
-        return json.loads((Path(cell_dir) / STATE_FILE).read_text())
+        return json.loads((Path(cell_dir) / state_file).read_text())
     except (OSError, ValueError):
         return None
 
@@ -93,6 +94,7 @@ class Keeper:
         self.daemon: subprocess.Popen | None = None
         self.t0 = time.monotonic()
         self.last_flush = 0.0
+        self.px: _Proxy | None = None  # made in run() (before the daemon: pre-paging fills it)
 
     def state(self, **fields: Any) -> None:
         write_state(self.cell_dir, **fields)
@@ -148,8 +150,7 @@ class Keeper:
                 self.state(pump_error=f"cannot reach the source's pump: {exc}")
         from relocator.snapshot import criu
 
-        self.px = _Proxy(_lazy_ranges(Path(a.image_dir)) if a.prefetch and pump is None else [], a.prefetch_depth,
-                         a.cache_bytes, pushed=pump is not None)
+        self.px = self.proxy(pushed=pump is not None)
         if pump is not None and a.prefill_bytes > 0:
             pump = self.prefill(pump)
         try:
@@ -169,6 +170,13 @@ class Keeper:
             lst.close()
             if pump is not None:
                 pump.close()
+
+    def proxy(self, pushed: bool) -> "_Proxy":
+        """The proxy between the daemon and the source; it fetches ahead itself only when asked
+        to and nothing is pushed (the push brings every page already)."""
+        a = self.a
+        ranges = _lazy_ranges(Path(a.image_dir)) if a.prefetch and not pushed else []
+        return _Proxy(ranges, a.prefetch_depth, a.cache_bytes, pushed=pushed)
 
     def prefill(self, pump: socket.socket) -> socket.socket | None:
         """Pre-paging: before the tree starts, take what the push brings, up to `prefill_bytes`
@@ -193,15 +201,14 @@ class Keeper:
             pump = None
         if pump is not None:
             pump.settimeout(None)
-        self.state(prefill_s=round(time.monotonic() - t0, 3), prefill_bytes=px.pushed_bytes - px.pushed_dropped)
+        self.state(prefill_s=round(time.monotonic() - t0, 3), prefill_bytes=px.pushed_kept)
         return pump
 
     def relay(self, lst: socket.socket, up: socket.socket, pump: socket.socket | None = None) -> int:
         """Serve the daemon's requests in order, from pages pushed (or fetched ahead) when they
         are here, through the source's page server otherwise."""
         a = self.a
-        px = getattr(self, "px", None) or _Proxy(_lazy_ranges(Path(a.image_dir)) if a.prefetch and pump is None else [],
-                                                 a.prefetch_depth, a.cache_bytes, pushed=pump is not None)
+        px = self.px or self.proxy(pushed=pump is not None)
         down: socket.socket | None = None
         last_up = time.monotonic()
         self.state(state="running")
@@ -270,7 +277,7 @@ class Keeper:
                     pump.close()
                     pump = None
                 elif a.throttle_bps:
-                        throttle_until = max(now, throttle_until) + n / a.throttle_bps
+                    throttle_until = max(now, throttle_until) + n / a.throttle_bps
             if up in r:
                 try:
                     n = up.recv_into(buf)
@@ -300,11 +307,11 @@ class Keeper:
                 last_up = now  # nothing owed: a wait for an answer starts only with a request
             if now - self.last_flush > 0.2:
                 self.last_flush = now
-                self.state(page_bytes=px.page_bytes + px.pushed_bytes - px.pushed_dropped, served_bytes=px.served_bytes,
-                           requests=px.requests, cache_hits=px.hits, pushed_bytes=px.pushed_bytes)
+                self.state(page_bytes=px.arrived_bytes, served_bytes=px.served_bytes, requests=px.requests,
+                           cache_hits=px.hits, pushed_bytes=px.pushed_bytes)
         if px.trace is not None:
             Path(os.environ["RELOCATOR_POSTCOPY_TRACE"], f"{self.cell_dir.name}.json").write_text(json.dumps(px.trace))
-        fields = dict(page_bytes=px.page_bytes + px.pushed_bytes - px.pushed_dropped, served_bytes=px.served_bytes, requests=px.requests,
+        fields = dict(page_bytes=px.arrived_bytes, served_bytes=px.served_bytes, requests=px.requests,
                       cache_hits=px.hits, pushed_bytes=px.pushed_bytes, pushed_dropped_bytes=px.pushed_dropped,
                       requested_bytes=px.page_bytes, seconds=round(time.monotonic() - self.t0, 3), ended_at=time.time())
         if why is not None:
@@ -454,6 +461,16 @@ class _Proxy:
         else:
             chunks[start][2] = served
         return [PSI.pack(6 | (4 << 16), take, vaddr, pid), out]  # PS_IOV_ADD_F, PE_PRESENT
+
+    @property
+    def pushed_kept(self) -> int:
+        """Pushed bytes that count: less the copies of pages already asked for (dropped)."""
+        return self.pushed_bytes - self.pushed_dropped
+
+    @property
+    def arrived_bytes(self) -> int:
+        """Memory that reached the target: answers to requests plus what the push brought."""
+        return self.page_bytes + self.pushed_kept
 
     def _next_start(self, pid: int, vaddr: int) -> int | None:
         import bisect
@@ -723,13 +740,14 @@ def stop_keeper(cell_dir: Path) -> None:
                 pass
 
 
-def _is_ours(pid: int, cell_dir: Path) -> bool:
-    """`pid` still runs a keeper or daemon of this cell (not a reused pid)."""
+def _is_ours(pid: int, cell_dir: Path, marker: str = "") -> bool:
+    """`pid` still runs a keeper, daemon (or, with `marker` in its arguments, a pump) of this
+    cell (not a reused pid)."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return False
-    return str(cell_dir) in argv
+    return str(cell_dir) in argv and marker in argv
 
 
 # -- the source's side ------------------------------------------------------------------------------

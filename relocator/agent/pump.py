@@ -20,7 +20,6 @@ dump it belongs to ends, or when no keeper connects in time.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import select
 import signal
@@ -29,6 +28,9 @@ import struct
 import sys
 import time
 from pathlib import Path
+
+from relocator.agent.postcopy import PAGE_SIZE, _alive, _is_ours, _lazy_ranges, write_state
+from relocator.agent.postcopy import read_state as _read_state
 
 FRAME = struct.Struct("<QQI")
 CHUNK = 1 << 20  # bytes per frame: big enough for throughput, small enough to interleave processes
@@ -59,8 +61,6 @@ def plan(image_dir: Path, pids: dict[int, int]) -> list[tuple[int, int, int, int
     """(pagemap id, host pid, vaddr, bytes) frames, the processes interleaved a chunk at a
     time, each in address order: the order the daemon's background copy asks (one request in
     flight per process, each from its lowest address up)."""
-    from relocator.agent.postcopy import PAGE_SIZE, _lazy_ranges
-
     per: dict[int, list[tuple[int, int]]] = {}
     for pid, vaddr, n in _lazy_ranges(image_dir):
         if pid not in pids:
@@ -83,26 +83,13 @@ def plan(image_dir: Path, pids: dict[int, int]) -> list[tuple[int, int, int, int
     return frames
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class Pump:
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
         self.cell_dir = Path(a.cell_dir)
 
     def state(self, **fields) -> None:
-        path = self.cell_dir / STATE_FILE
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), **fields, "updated": time.time()}))
-        os.replace(tmp, path)
+        write_state(self.cell_dir, STATE_FILE, pid=os.getpid(), **fields)
 
     def run(self) -> int:
         a = self.a
@@ -157,7 +144,7 @@ class Pump:
                     got = os.preadv(fd, [view], vaddr)
                 except OSError:
                     got = 0  # not readable (gone, unmapped): the daemon asks CRIU for these
-                got -= got % 4096
+                got -= got % PAGE_SIZE
                 if not got:
                     skipped += size
                     continue
@@ -181,23 +168,13 @@ class Pump:
 
 
 def read_state(cell_dir: Path) -> dict | None:
-    try:
-        return json.loads((Path(cell_dir) / STATE_FILE).read_text())
-    except (OSError, ValueError):
-        return None
+    return _read_state(cell_dir, STATE_FILE)
 
 
 def stop(cell_dir: Path) -> None:
     """Stop a cell's pump if it still runs (the post-copy ended or was given up)."""
-    st = read_state(cell_dir) or {}
-    pid = st.get("pid")
-    if not pid:
-        return
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return
-    if b"relocator.agent.pump" in argv and str(cell_dir).encode() in argv:
+    pid = (read_state(cell_dir) or {}).get("pid")
+    if pid and _alive(pid) and _is_ours(pid, cell_dir, "relocator.agent.pump"):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

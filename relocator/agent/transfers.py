@@ -121,7 +121,8 @@ class TransferOps:
             except Exception:  # noqa: BLE001 - a figure only
                 lazy = 0
             return {"image_dir": str(img.path), "bytes": img.bytes, "lazy_bytes": lazy, "address": address,
-                    "port": port, "pump_port": pump_port, "pump_error": pump_error, "seconds": round(time.monotonic() - t0, 3), "timings": img.manifest.timings,
+                    "port": port, "pump_port": pump_port, "pump_error": pump_error,
+                    "seconds": round(time.monotonic() - t0, 3), "timings": img.manifest.timings,
                     "pages": img.manifest.pages.value}
 
     def lazy_dump_wait(self, cell_id: str, timeout: float = 1.0) -> dict[str, Any]:
