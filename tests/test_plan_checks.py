@@ -14,7 +14,7 @@ import pytest
 from relocator.agent import transient as T
 from relocator.agent.agent import NodeAgent, _image_size_hint
 from relocator.chaos import leaks
-from relocator.cluster.local import remove_transient_root
+from relocator.agent.transient import remove_roots
 from relocator.controller.machine import Machine, PlanError
 from relocator.controller.model import DONE, FAILED, Relocation
 from relocator.snapshot import snapshot as S
@@ -209,8 +209,8 @@ def test_leaked_tmpfs_image_is_reported_and_down_removes_the_root(agent: NodeAge
     agent.remove_image(str(path))  # the agent's removal path handles these dirs as any other
     assert leaks.transient_images(base) == set()
     path.mkdir()
-    assert remove_transient_root(base) == [str(T.transient_root(base))] and not T.transient_root(base).exists()
-    assert remove_transient_root(base) == []
+    assert remove_roots(base) == [str(T.transient_root(base))] and not T.transient_root(base).exists()
+    assert remove_roots(base) == []
 
 
 def test_down_of_emulated_hosts_removes_every_deployments_root(tmp_path: Path, monkeypatch) -> None:
@@ -220,7 +220,7 @@ def test_down_of_emulated_hosts_removes_every_deployments_root(tmp_path: Path, m
         assert T.make_node_images(dep, "h1") == T.node_images(dep, "h1")
         assert (T.transient_root(dep) / T.BASE_FILE).read_text() == dep
     roots = {str(T.transient_root(f"/var/lib/relocator/deploy/{d}")) for d in ("d1", "d2")}
-    assert set(remove_transient_root("/var/lib/relocator/deploy", below=True)) == roots
+    assert set(remove_roots("/var/lib/relocator/deploy", below=True)) == roots
     assert [p.name for p in (tmp_path / "shm").iterdir()] == [T.cluster_key("/var/lib/relocator/deployx")]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +79,24 @@ def roots_under(parent: str | Path) -> list[Path]:
         if base == top or base.startswith(top.rstrip("/") + "/"):
             out.append(marker.parent)
     return out
+
+
+def remove_roots(base: str | Path, below: bool = False) -> list[str]:
+    """Remove the tmpfs root (images of moves still in flight when the cluster stopped, and the
+    empty per-node directories) of the cluster of `base`, or with `below`
+    of every cluster whose base dir is under `base` (a deployment's is <base_dir>/<id>);
+    returns the roots removed."""
+    roots = roots_under(base) if below else [transient_root(base)]
+    removed = []
+    for root in roots:
+        if root.exists():
+            shutil.rmtree(root, ignore_errors=True)
+            removed.append(str(root))
+    try:
+        transient_root(base).parent.rmdir()  # /dev/shm/relocator, once no cluster uses it
+    except OSError:
+        pass
+    return removed
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any
 
 from relocator.cluster.config import REPO, LocalConfig
 from relocator.cluster.emulate import RAY_CLIENT_ENV
-from relocator.cluster.local import ClusterError, info_path, remove_transient_root
+from relocator.cluster.local import ClusterError, info_path
 from relocator.controller.model import TransferMode
 
 
@@ -104,11 +104,12 @@ def down_emulated(base: Path, info: dict[str, Any], timeout: float = 300.0) -> d
     # tmpfs roots (relocator.agent.transient) of every deployment made on them (each under
     # <deploy base_dir>/<id>; a redeploy is a new one) are removed from here
     try:
+        from relocator.agent.transient import remove_roots
         from relocator.deploy.config import DeployConfig
 
         cfg = base / "deploy.yaml"
         dep_base = (DeployConfig.load(cfg) if cfg.exists() else DeployConfig()).base_dir
-        out["transient_images_removed"] = remove_transient_root(dep_base, below=True)
+        out["transient_images_removed"] = remove_roots(dep_base, below=True)
     except Exception as exc:  # noqa: BLE001 - a broken config leaves only files in /dev/shm
         out["transient_images_error"] = str(exc)
     info_path(base).unlink(missing_ok=True)

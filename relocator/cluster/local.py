@@ -146,31 +146,11 @@ def down(base_dir: str | Path | None = None, timeout: float = 90.0) -> dict[str,
             except ProcessLookupError:
                 pass
     out["cells_killed"] = _kill_leftover_cells(base)
-    out["transient_images_removed"] = remove_transient_root(base)
+    from relocator.agent.transient import remove_roots
+
+    out["transient_images_removed"] = remove_roots(base)
     info_path(base).unlink(missing_ok=True)
     return out
-
-
-def remove_transient_root(base: str | Path, below: bool = False) -> list[str]:
-    """Remove the tmpfs root (relocator.agent.transient: images of moves still in flight when
-    it stopped, and the empty per-node directories) of the cluster of `base`, or with `below`
-    of every cluster whose base dir is under `base` (a deployment's is <base_dir>/<id>);
-    returns the roots removed."""
-    import shutil
-
-    from relocator.agent.transient import roots_under, transient_root
-
-    roots = roots_under(base) if below else [transient_root(base)]
-    removed = []
-    for root in roots:
-        if root.exists():
-            shutil.rmtree(root, ignore_errors=True)
-            removed.append(str(root))
-    try:
-        transient_root(base).parent.rmdir()  # /dev/shm/relocator, once no cluster uses it
-    except OSError:
-        pass
-    return removed
 
 
 def _kill_leftover_cells(base: Path) -> list[str]:

@@ -78,9 +78,9 @@ def remove_dir(path: str) -> dict[str, Any]:
                 c.kill()
                 cells.append(c.id)
     existed = Path(path).exists()
-    from relocator.agent.transient import transient_root
+    from relocator.agent.transient import remove_roots
 
-    shutil.rmtree(transient_root(path), ignore_errors=True)  # stream/postcopy images on its tmpfs
+    remove_roots(path)  # stream/postcopy images on its tmpfs
     shutil.rmtree(path, ignore_errors=True)
     return {"hostname": socket.gethostname(), "removed": existed, "cells_killed": cells}
 
