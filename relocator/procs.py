@@ -21,6 +21,21 @@ def process_table() -> dict[int, tuple[int, list[str]]]:
     return out
 
 
+def status_bytes(pids: list[int], fields: tuple[str, ...] = ("VmRSS",)) -> int:
+    """The sum of `fields` (kB lines of /proc/<pid>/status: VmRSS, VmSwap, ...) over `pids`, in
+    bytes; a process gone meanwhile counts 0."""
+    keys = tuple(f"{f}:" for f in fields)
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith(keys):
+                    total += int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
 def descendants(root: int, table: dict[int, tuple[int, list[str]]]) -> list[int]:
     """Every process below `root` (not `root` itself)."""
     kids: dict[int, list[int]] = {}

@@ -123,12 +123,6 @@ class NodeAgent(TransferOps):
 
         return host_fingerprint().model_dump()
 
-    def worker_fingerprint(self, cell_id: str) -> dict:
-        from relocator.cell.cell import load_cell
-        from relocator.snapshot.snapshot import fingerprint_of
-
-        return fingerprint_of(load_cell(cell_id)).model_dump()
-
     def worker_profile(self, cell_id: str) -> dict[str, Any]:
         """What a move's PLAN needs of a worker on this (source) node: its fingerprint, the
         launch record and engine the target fingerprints itself against, and how big its image
@@ -416,14 +410,9 @@ def _image_size_hint(cell) -> int | None:
     it counts file-backed pages too), plus the memory of its GPUs (a GPU image holds what
     cuda-checkpoint moved to the host: bounded by the devices' total). None: unknown (the
     target assumes transient.FALLBACK_IMAGE_BYTES)."""
-    total = 0
-    for pid in cell.pids():
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith(("VmRSS:", "VmSwap:")):
-                    total += int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            continue
+    from relocator.procs import status_bytes
+
+    total = status_bytes(cell.pids(), ("VmRSS", "VmSwap"))
     if cell.gpu_ids:
         try:
             from relocator.controller.inventory import local_gpus

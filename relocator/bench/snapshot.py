@@ -47,15 +47,9 @@ async def first_token_s(endpoint: str, model: str, started: float, deadline_s: f
 
 
 def rss_bytes(cell: Cell) -> int:
-    total = 0
-    for pid in cell.pids():
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            continue
-    return total
+    from relocator.procs import status_bytes
+
+    return status_bytes(cell.pids())
 
 
 def memcpy_bytes_per_s(size: int = 256 << 20, repeats: int = 5) -> float:
