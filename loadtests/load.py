@@ -21,7 +21,6 @@ apart.
 from __future__ import annotations
 
 import asyncio
-import difflib
 import hashlib
 import json
 import math
@@ -33,7 +32,7 @@ from typing import Any, Iterable, Sequence
 
 import aiohttp
 
-from relocator.cluster.streams import text_diff
+from relocator.cluster.streams import compare_ids, text_diff
 
 _WORDS = ("the quick brown fox jumps over a lazy dog while seven tall ships sail past "
           "green hills under silver clouds and every small river runs toward the sea").split()
@@ -542,31 +541,6 @@ def load_reference(path: str | Path) -> Reference:
     if "token_ids" in d:
         return Reference(d["token_ids"], d.get("text"))  # version 1 has no text
     return Reference(d)
-
-
-def compare_ids(ref: Sequence[int], got: Sequence[int]) -> dict[str, int]:
-    """Align `got` with `ref`: tokens of ref missing in got are lost, extra tokens in got are
-    duplicated, tokens replaced by others are mismatched."""
-    if list(ref) == list(got):
-        return {"lost": 0, "duplicated": 0, "mismatched": 0, "first_divergence": -1}
-    lost = dup = mis = 0
-    sm = difflib.SequenceMatcher(None, list(ref), list(got), autojunk=False)
-    first = -1
-    for op, i1, i2, j1, j2 in sm.get_opcodes():
-        if op == "equal":
-            continue
-        if first < 0:
-            first = j1
-        a, b = i2 - i1, j2 - j1
-        if op == "delete":
-            lost += a
-        elif op == "insert":
-            dup += b
-        else:
-            mis += min(a, b)
-            lost += max(0, a - b)
-            dup += max(0, b - a)
-    return {"lost": lost, "duplicated": dup, "mismatched": mis, "first_divergence": first}
 
 
 def check_tokens(report: LoadReport, reference: dict[str, list[int]] | str | Path,

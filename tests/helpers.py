@@ -5,12 +5,30 @@ from __future__ import annotations
 import time
 
 
-def clean(rep: dict) -> None:
-    """A load report with traffic, no client error, every token and text as the reference's."""
+def clean(rep: dict, continued: float | None = None) -> None:
+    """A load report with traffic, no client error, every token and text as the reference's;
+    `continued`: streams the router continued meanwhile (`continued_streams` after minus
+    before), given where a move happened under the load: at least one must have been cut over,
+    or the test proved nothing about continuation."""
     assert rep["requests"] > 0
     assert rep["client_errors"] == 0, rep["errors"]
     assert (rep["tokens_lost"], rep["tokens_duplicated"], rep["tokens_mismatched"]) == (0, 0, 0), rep
     assert rep["text_mismatched"] == 0, rep["text_bad"]
+    if continued is not None:
+        assert continued >= 1, f"a move happened under load but no stream was continued ({continued})"
+
+
+def continued_streams(router_url: str) -> float:
+    """Streams the router has continued after a break (outcome ok), from its /metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{router_url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for fam in text_string_to_metric_families(text)
+               if fam.name == "relocator_router_continued_streams"
+               for s in fam.samples if s.name.endswith("_total") and s.labels.get("outcome") == "ok")
 
 
 def workers(ctl) -> dict[str, dict]:

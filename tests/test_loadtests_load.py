@@ -200,3 +200,18 @@ async def test_cli_load(env, tmp_path):
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(p.communicate(), 60)
     assert p.returncode == 1 and b"ok / failed" in out
+
+
+async def test_one_token_comparison_for_load_and_cluster_streams():
+    """The cluster load's report and the load tests count the same streams the same way: one
+    token dropped mid-stream is one lost token, not a lost one plus every later one mismatched."""
+    import relocator.cluster.streams as streams
+    from loadtests import load
+
+    assert load.compare_ids is streams.compare_ids
+    ref = {0: streams.RequestResult(0, 0, tokens=[1, 2, 3, 4, 5], text="abcde")}
+    lo = streams.Load("http://127.0.0.1:9", "m", ref, max_tokens=5)
+    lo.results = [streams.RequestResult(0, 0, tokens=[1, 2, 4, 5], text="abde", times=[0.0, 1.0])]
+    rep = lo.report()
+    assert (rep["tokens_lost"], rep["tokens_duplicated"], rep["tokens_mismatched"]) == (1, 0, 0), rep
+    assert rep["text_mismatched"] == 1

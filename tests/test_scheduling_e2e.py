@@ -13,7 +13,7 @@ import time
 import pytest
 
 from relocator.cluster.streams import Load, reference
-from tests.helpers import clean, wait_for, workers
+from tests.helpers import clean, continued_streams, wait_for, workers
 
 pytestmark = pytest.mark.integration
 MODEL = "tiny-llama"
@@ -60,11 +60,12 @@ def test_make_room_launch_under_load(relocator_cluster, pair) -> None:
         ctl.launch(MODEL, gpus=4, make_room=False)  # today's behaviour, kept on request
     plan = ctl.launch(MODEL, gpus=4, dry_run=True)["plan"]
     assert plan["how"] == "make_room" and len(plan["moves"]) == 1 and plan["node"] in ("n1", "n2"), plan
+    c0 = continued_streams(ctl.router_url)
     load = Load(ctl.router_url, MODEL, state["ref"], MAX_TOKENS, 4).start()
     time.sleep(1.0)
     w = ctl.launch(MODEL, gpus=4)
     load.stop()
-    clean(load.report())
+    clean(load.report(), continued_streams(ctl.router_url) - c0)
     assert w["state"] == "running" and w["node"] == plan["node"] and len(w["moves"]) == 1, w
     ws = workers(ctl)
     assert {x["node"] for k, x in ws.items() if k in (wa, wb)} == {"n1", "n2"} - {plan["node"]}
@@ -86,6 +87,7 @@ def test_priority_preempts_then_resumes_automatically(relocator_cluster, pair) -
     ctl = relocator_cluster
     wa, wb, state = pair
     big = state["big"]
+    c0 = continued_streams(ctl.router_url)
     load = Load(ctl.router_url, MODEL, state["ref"], MAX_TOKENS, 4).start()
     time.sleep(1.0)
     hi = ctl.launch(MODEL, gpus=4, priority=1)
@@ -96,7 +98,7 @@ def test_priority_preempts_then_resumes_automatically(relocator_cluster, pair) -
     ctl.stop_worker(hi["id"])
     wait_for(lambda: workers(ctl)[big]["state"] == "running", 120, "automatic resume")
     load.stop()
-    clean(load.report())
+    clean(load.report(), continued_streams(ctl.router_url) - c0)
     assert ctl.pending() == []
     ctl.stop_worker(big)
 
@@ -107,6 +109,7 @@ def test_suspend_resume_with_a_sibling_then_consolidate(relocator_cluster, pair)
     ctl = relocator_cluster
     wa, wb, state = pair
     ray.util.remove_placement_group(state.pop("pg"))  # n3 is free from now on
+    c0 = continued_streams(ctl.router_url)
     load = Load(ctl.router_url, MODEL, state["ref"], MAX_TOKENS, 4).start()
     time.sleep(1.0)
     sus = ctl.suspend(wa)
@@ -115,17 +118,18 @@ def test_suspend_resume_with_a_sibling_then_consolidate(relocator_cluster, pair)
     res = ctl.resume(wa, node="n3")
     time.sleep(1.0)
     load.stop()
-    clean(load.report())
+    clean(load.report(), continued_streams(ctl.router_url) - c0)
     ws = workers(ctl)
     assert (ws[wa]["state"], ws[wa]["node"], ws[wa]["suspensions"]) == ("running", "n3", 1), res
     # two 1-GPU workers on two nodes: one live move frees a node
     plan = ctl.consolidate(dry_run=True)
     assert len(plan["moves"]) == 1 and len(plan["nodes_freed"]) == 1, plan
+    c0 = continued_streams(ctl.router_url)
     load = Load(ctl.router_url, MODEL, state["ref"], MAX_TOKENS, 4).start()
     time.sleep(1.0)
     out = ctl.consolidate()
     load.stop()
-    clean(load.report())
+    clean(load.report(), continued_streams(ctl.router_url) - c0)
     assert out["nodes_freed"] == plan["nodes_freed"] and [m["result"] for m in out["moves"]] == ["done"], out
     assert out["moves"][0]["blackout_s"] > 0 and out["gpus_moved"] == 1
     ws = workers(ctl)
@@ -136,6 +140,7 @@ def test_suspend_without_sibling_holds_then_continues_after_resume(relocator_clu
     ctl = relocator_cluster
     wa, wb, state = pair
     ctl.stop_worker(wb)
+    c0 = continued_streams(ctl.router_url)
     load = Load(ctl.router_url, MODEL, state["ref"], MAX_TOKENS, 4).start()
     time.sleep(1.5)
     src = workers(ctl)[wa]["node"]
@@ -146,6 +151,6 @@ def test_suspend_without_sibling_holds_then_continues_after_resume(relocator_clu
     time.sleep(1.0)
     load.stop()
     rep = load.report()
-    clean(rep)
+    clean(rep, continued_streams(ctl.router_url) - c0)
     assert res["node"] and workers(ctl)[wa]["state"] == "running", res
     assert sus["node"] == src

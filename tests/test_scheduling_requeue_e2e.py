@@ -15,7 +15,7 @@ import time
 import pytest
 
 from relocator.cluster.streams import Load, reference
-from tests.helpers import clean, wait_for, workers
+from tests.helpers import clean, continued_streams, wait_for, workers
 
 pytestmark = pytest.mark.integration
 MODEL = "tiny-llama"
@@ -43,6 +43,7 @@ def test_time_limit_suspends_requeues_and_restores(relocator_cluster) -> None:
     try:
         assert w["state"] == "running" and w["time_limit_s"] == 8.0 and w["deadline"], w
         ref = asyncio.run(reference(ctl.router_url, MODEL, MAX_TOKENS, 2, 2))
+        c0 = continued_streams(ctl.router_url)
         load = Load(ctl.router_url, MODEL, ref, MAX_TOKENS, 2).start()
         cursor = ctl._call("events_cursor", timeout=60)
         # at the limit: checkpointed, GPUs released, requeued (its streams wait in the router)
@@ -50,7 +51,7 @@ def test_time_limit_suspends_requeues_and_restores(relocator_cluster) -> None:
         # ... and restored by the reconcile loop once it has room (at once: its GPUs are free)
         wait_for(lambda: workers(ctl)[w["id"]]["state"] == "running", 90, "automatic restore")
         load.stop()
-        clean(load.report())
+        clean(load.report(), continued_streams(ctl.router_url) - c0)
         evs = list(ctl.events(since=cursor, kinds=["worker_suspended", "demand_pending", "worker_resumed"],
                               idle_timeout=1.0, wait_s=1.0))
         sus = next(e for e in evs if e["kind"] == "worker_suspended")
@@ -81,6 +82,7 @@ def test_drain_by_moves_what_fits_and_suspends_the_rest(relocator_cluster) -> No
         for pg in pgs:
             ray.get(pg.ready(), timeout=60)
         ref = asyncio.run(reference(ctl.router_url, MODEL, MAX_TOKENS, 2, 2))
+        c0 = continued_streams(ctl.router_url)
         load = Load(ctl.router_url, MODEL, ref, MAX_TOKENS, 2).start()
         time.sleep(1.0)
         out = ctl.drain("n1", by="90s")
@@ -101,7 +103,7 @@ def test_drain_by_moves_what_fits_and_suspends_the_rest(relocator_cluster) -> No
         ctl.stop_worker(c)
         wait_for(lambda: workers(ctl)[sus["worker"]]["state"] == "running", 90, "resume after the drain")
         load.stop()
-        clean(load.report())
+        clean(load.report(), continued_streams(ctl.router_url) - c0)
         ws = workers(ctl)
         assert ws[sus["worker"]]["node"] != "n1" and ws[moved]["node"] == "n3", ws
         assert ctl.pending() == []

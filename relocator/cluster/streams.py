@@ -9,11 +9,12 @@ Self-contained (aiohttp only) so the demo, the benchmark and the tests measure t
 from __future__ import annotations
 
 import asyncio
+import difflib
 import json
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import aiohttp
 
@@ -103,11 +104,31 @@ async def reference(url: str, model: str, max_tokens: int, n_prompts: int, concu
     return {r.prompt: r for r in results}
 
 
-def compare(expected: list[int], got: list[int]) -> dict[str, int]:
-    n = min(len(expected), len(got))
-    mismatched = sum(1 for a, b in zip(expected[:n], got[:n]) if a != b)
-    return {"lost": max(0, len(expected) - len(got)), "duplicated": max(0, len(got) - len(expected)),
-            "mismatched": mismatched}
+def compare_ids(ref: Sequence[int], got: Sequence[int]) -> dict[str, int]:
+    """Align `got` with `ref` (difflib): tokens of ref missing in got are lost, extra tokens in
+    got are duplicated, tokens replaced by others are mismatched; `first_divergence` is the
+    index in `got` where they first differ (-1: identical). The one token comparison of the
+    tree: a positional one would count one lost token as every later token mismatched."""
+    if list(ref) == list(got):
+        return {"lost": 0, "duplicated": 0, "mismatched": 0, "first_divergence": -1}
+    lost = dup = mis = 0
+    sm = difflib.SequenceMatcher(None, list(ref), list(got), autojunk=False)
+    first = -1
+    for op, i1, i2, j1, j2 in sm.get_opcodes():
+        if op == "equal":
+            continue
+        if first < 0:
+            first = j1
+        a, b = i2 - i1, j2 - j1
+        if op == "delete":
+            lost += a
+        elif op == "insert":
+            dup += b
+        else:
+            mis += min(a, b)
+            lost += max(0, a - b)
+            dup += max(0, b - a)
+    return {"lost": lost, "duplicated": dup, "mismatched": mis, "first_divergence": first}
 
 
 def text_diff(expected: str, got: str) -> dict[str, Any] | None:
@@ -181,7 +202,7 @@ class Load:
                 errors.append(r.error)
                 continue
             want = self.ref[r.prompt]
-            diff = compare(want.tokens, r.tokens)
+            diff = compare_ids(want.tokens, r.tokens)
             for k in totals:
                 totals[k] += diff[k]
             text = text_diff(want.text, r.text)
@@ -189,7 +210,7 @@ class Load:
                 text_mismatched += 1
                 if len(text_bad) < 5:
                     text_bad.append({"client": r.client, "prompt": r.prompt, **text})
-            if not any(diff.values()) and not text:
+            if diff["first_divergence"] < 0 and not text:
                 c["verified"] += 1
             for a, b in r.gaps():
                 c["max_gap_s"] = max(c["max_gap_s"], b - a)
