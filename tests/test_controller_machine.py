@@ -224,7 +224,36 @@ def test_release_failure_still_done(env) -> None:
     be.fail["kill"] = RuntimeError("agent gone")
     rel = Machine(store, be).run(Relocation(id="r1", worker="w1", src="n1", dst="n2"))
     assert rel.result == DONE and "RELEASE" in rel.error
-    assert store.worker("w1").node == "n2"
+    w = store.worker("w1")
+    # it serves from its target: running there (movable, suspendable, re-registered, replaced)
+    assert (w.node, w.cell_id, w.state) == ("n2", "w1-r1", "running")
+
+
+def test_release_failure_after_a_controller_restart_leaves_the_worker_running(env) -> None:
+    store, be = env
+    with pytest.raises(SimulatedCrash):
+        Machine(store, be, on_crash=_crash).run(
+            Relocation(id="r1", worker="w1", src="n1", dst="n2", faults={"crash": {"phase": "RELEASE"}}))
+    be.fail["kill"] = RuntimeError("agent gone")
+    rel = Machine(store, be).recover(store.open_relocations()[0])
+    assert rel.result == DONE and "RELEASE" in rel.error
+    w = store.worker("w1")
+    assert (w.node, w.cell_id, w.state) == ("n2", "w1-r1", "running")
+
+
+@pytest.mark.parametrize("result, state", [("done", "running"), ("rolled_back", "running"), ("failed", "lost")])
+def test_the_worker_state_follows_the_outcome(env, result: str, state: str) -> None:
+    """One rule, whatever path finished the move (a finish the machine did not expect too)."""
+    from relocator.controller.machine import worker_state_after
+
+    store, be = env
+    w = store.worker("w1")
+    w.state = "relocating"
+    store.save_worker(w)
+    rel = Relocation(id="r1", worker="w1", src="n1", dst="n2", result=result)
+    assert worker_state_after(rel) == state
+    Machine(store, be).settle_worker(rel)
+    assert store.worker("w1").state == state
 
 
 def test_incompatible_target_touches_nothing(env) -> None:

@@ -1041,6 +1041,7 @@ class Controller:
                 rel.reason = FailureReason.ERROR
                 rel.finished_at = time.time()
                 self.store.save_relocation(rel)
+                self.machine.settle_worker(rel)  # never left `relocating`: lost, so it is replaced
                 self.emit(EventKind.RELOCATION_FINISHED, relocation=rel.id, worker=rel.worker, result=rel.result,
                           reason=rel.reason, error=f"internal: {exc}", src=rel.src, dst=rel.dst,
                           phases=rel.phase_seconds(), image_bytes=rel.image_bytes, rollback_from=None,

@@ -28,6 +28,7 @@ from relocator.controller.model import (
     Relocation,
     TransferMode,
     WorkerRecord,
+    WorkerState,
     failure_reason,
     phase_index,
 )
@@ -37,6 +38,16 @@ log = logging.getLogger("relocator.controller")
 
 I_HOLD, I_DUMP, I_RESTORE, I_SWITCH = (PHASES.index(p) for p in ("HOLD", "DUMP", "RESTORE", "SWITCH"))
 I_RESERVE = PHASES.index("RESERVE")
+
+
+#: a relocation's worker once the relocation has finished, by result: done, it serves from the
+#: target (SWITCH recorded it there); rolled back, from the source (rollback recorded it there);
+#: failed after PLAN took it, no copy is left: lost (the reconcile loop replaces it)
+STATE_AFTER = {DONE: WorkerState.RUNNING, ROLLED_BACK: WorkerState.RUNNING, FAILED: WorkerState.LOST}
+
+
+def worker_state_after(rel: Relocation) -> WorkerState:
+    return STATE_AFTER[rel.result]
 
 
 class RelocationError(RuntimeError):
@@ -227,27 +238,35 @@ class Machine:
                 if phase == "RELEASE" and not isinstance(exc, PostCopyFailed):
                     # the worker serves from its target; the stopped source is cleaned up later
                     return self._finish(rel, DONE)
-                if phase == "PLAN":  # nothing was touched (the worker is marked last)
-                    return self._finish(rel, FAILED)
+                if phase == "PLAN":  # nothing was touched (the worker is marked last): not ours
+                    return self._finish(rel, FAILED, settle=False)
                 self.rollback(rel, phase_index(phase))
                 return rel
             self._leave(rel, True, info)
         return self._finish(rel, DONE)
 
-    def _finish(self, rel: Relocation, result: str) -> Relocation:
+    def _finish(self, rel: Relocation, result: str, settle: bool = True) -> Relocation:
         rel.result = result
         rel.finished_at = time.time()
         self._save(rel)
+        if settle:
+            self.settle_worker(rel)
         self._event(EventKind.RELOCATION_FINISHED, rel, result=result, reason=rel.reason, error=rel.error,
                     src=rel.src, dst=rel.dst, phases=rel.phase_seconds(), image_bytes=rel.image_bytes,
                     rollback_from=rel.rollback.get("from_phase"), recovered=rel.recovered)
         return rel
 
-    def _release_worker(self, worker: WorkerRecord) -> None:
-        w = self.store.worker(worker.id)
-        if w and w.state == "relocating":
-            w.state = "running"
-            self.store.save_worker(w)
+    def settle_worker(self, rel: Relocation) -> None:
+        """The one place a relocation hands its worker back: the state follows from the
+        outcome (STATE_AFTER), whichever phase or path (run, rollback, recovery) finished it.
+        Only a worker this relocation took (`relocating`); a PLAN refusal does not call it."""
+        w = self.store.worker(rel.worker)
+        if w is None or w.state != WorkerState.RELOCATING or rel.result not in STATE_AFTER:
+            return
+        w.state = worker_state_after(rel)
+        if w.state == WorkerState.LOST and not w.error:
+            w.error = f"relocation {rel.id} failed: {rel.error}"
+        self.store.save_worker(w)
 
     # -- phases ----------------------------------------------------------------------------
     def _p_plan(self, rel: Relocation, w: WorkerRecord) -> dict:
@@ -279,7 +298,7 @@ class Machine:
             # the target's copy lives only until it is restored: a tmpfs when the cluster's
             # transient_images allows it
             rel.dst_image_dir, image_on, image_why = self.backend.transient_image_dir(w, rel.dst, rel.id)
-        w.state = "relocating"
+        w.state = WorkerState.RELOCATING  # handed back by settle_worker when the relocation finishes
         self.store.save_worker(w)
         out = {"to": rel.dst, "transfer": rel.transfer.value, "image_on": image_on}
         if image_why:
@@ -452,7 +471,6 @@ class Machine:
             w.last_image, w.last_image_node = rel.image_dir, rel.src
             if old_image[1] and old_image[1] != rel.image_dir and not self.keep_images:
                 self._remove_image(*old_image)
-        w.state = "running"
         self.store.save_worker(w)
         return {**info, **({"kept_image": rel.image_dir} if keep else {})}
 
@@ -532,8 +550,7 @@ class Machine:
             w.reservation = rel.src_reservation or w.reservation
             if "src_gpu_ids" in rel.postcopy:  # a post-copy rolled back after its switch
                 w.gpu_ids = list(rel.postcopy["src_gpu_ids"])
-            # a worker with no copy left is "lost": the controller's reconcile loop replaces it
-            w.state = "running" if source_ok else "lost"
+            # a worker with no copy left is "lost" (settle_worker): the reconcile loop replaces it
             if not source_ok:
                 w.error = f"source copy {rel.src_cell} on {rel.src} is gone after a failed relocation"
             self.store.save_worker(w)
@@ -584,18 +601,12 @@ class Machine:
                     self._leave(rel, True, info)
                 return self._finish(rel, DONE)
             idx = I_SWITCH  # the target copy is gone: undo everything
-        if idx == 0:
-            self._release_worker_by_id(rel.worker)
+        if idx == 0:  # PLAN touches nothing but the worker's state: settle_worker hands it back
             return self._finish(rel, ROLLED_BACK)
         return self.rollback(rel, idx)
-
-    def _release_worker_by_id(self, wid: str) -> None:
-        w = self.store.worker(wid)
-        if w:
-            self._release_worker(w)
 
 
 __all__ = ["Backend", "FaultInjected", "Machine", "PhaseFault", "PlanError", "PostCopyFailed", "RelocationError",
            "SimulatedCrash", "TargetLost",
-           "check_faults",
+           "check_faults", "worker_state_after",
            "RUNNING", "DONE", "ROLLED_BACK", "FAILED"]
