@@ -138,3 +138,143 @@ def test_a_dead_node_keeps_its_name_in_the_inventory(monkeypatch) -> None:
     assert out["n1"].alive and out["n1"].gpus_free == 3
     assert not out["n2"].alive and out["n2"].gpus_free == 0
     assert set(ray_nodes()) == {"n1"}
+
+
+# ------------------------------------------------ the controller's placement and time limits (fakes)
+class FakeAgents:
+    """The backend calls a suspend makes; `dump` fails while `dump_error` is set."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.dump_error: Exception | None = None
+
+    def __getattr__(self, name: str):
+        return lambda *a, **k: self.calls.append((name, *a))
+
+    def dump(self, node, cell, image):
+        self.calls.append(("dump", node, cell))
+        if self.dump_error is not None:
+            raise self.dump_error
+        return {"bytes": 1}
+
+    def cell_state(self, node, cell):
+        return "stopped"
+
+
+def _fake_controller(tmp_path: Path, nodes: dict[str, tuple[int, int]], workers: list) -> "Controller":
+    import threading
+
+    from relocator.controller.controller import Controller
+    from relocator.controller.inventory import NodeInfo
+    from relocator.controller.model import TransferMode
+    from relocator.controller.store import Store
+    from relocator.planner.policies import PlacementPolicy
+
+    c = Controller.__new__(Controller)  # no Ray: the store, a fixed inventory, fake agents
+    c.store = Store(tmp_path / "controller.db")
+    for w in workers:
+        c.store.save_worker(w)
+    c._lock, c._seating, c._busy, c._placing = threading.RLock(), threading.RLock(), set(), set()
+    c._wake, c._announced, c.max_moves = threading.Event(), set(), 4
+    c.transfer, c.policy = TransferMode.SHARED, PlacementPolicy.BEST_FIT
+    inv = {n: NodeInfo(n, n, total, free) for n, (total, free) in nodes.items()}
+    c.inventory = lambda refresh=False: inv
+    c.backend = FakeAgents()
+    c.node_dir = lambda node: tmp_path / node
+    c.events = []
+    c.emit = lambda kind, **fields: c.events.append((str(kind), fields))
+    c._spawn = lambda rel, recover=False: pytest.fail("a relocation started")
+    return c
+
+
+def _worker(wid: str, node: str, gpus: int, **kw):
+    from relocator.controller.model import WorkerRecord
+
+    return WorkerRecord(id=wid, model="m", node=node, gpus=gpus, cell_id=f"{wid}-c", reservation=f"pg-{wid}",
+                        state="running", **kw)
+
+
+def test_cordoned_nodes_receive_no_worker(tmp_path: Path) -> None:
+    """`drain --by` cordons: a replacement or a relocation without --to (place), an explicit
+    --to, a consolidation: none of them puts anything there."""
+    c = _fake_controller(tmp_path, {"n1": (4, 1), "n2": (4, 3), "n3": (4, 4)},
+                         [_worker("w1", "n1", 3), _worker("w2", "n2", 1)])
+    assert c.place(1) == "n1"  # best fit: the fullest node
+    c.store.put("cordon", "n1", {"node": "n1", "at": 0, "by": 0})
+    assert c.place(1) == "n2" and c.place(4) == "n3"
+    assert c.place(1, exclude=("n2",)) == "n3"
+    with pytest.raises(ValueError, match="'n1' is cordoned.*uncordon n1"):
+        c.relocate("w2", to="n1")
+    assert not c._busy and not c.store.relocations()
+    c.store.delete("cordon", "n1")
+    c.store.put("cordon", "n2", {"node": "n2", "at": 0, "by": 0})
+    plan = c.consolidate(dry_run=True)
+    assert all(m["to"] != "n2" for m in plan["moves"]), plan
+
+
+def test_a_worker_past_its_limit_is_only_announced_when_nobody_waits(tmp_path: Path) -> None:
+    import threading
+    import time
+
+    c = _fake_controller(tmp_path, {"n1": (4, 3)}, [_worker("w1", "n1", 1, time_limit_s=5, deadline=time.time() - 1)])
+    suspends: list = []
+    c.suspend = lambda *a, **k: suspends.append(a)
+    c.update_deadlines()
+    c.update_deadlines()
+    for t in threading.enumerate():  # the old rule suspended it on a thread of its own
+        if t.name.startswith("time-limit-"):
+            t.join()
+    assert suspends == [] and c.backend.calls == []
+    assert [k for k, _ in c.events] == ["worker_preemptible"] and c.events[0][1]["worker"] == "w1"
+    assert c.store.worker("w1").state == "running"
+
+
+def test_a_waiting_demand_suspends_a_worker_past_its_limit(tmp_path: Path) -> None:
+    """Full cluster: a launch of any priority may suspend a worker past its limit (even one of
+    higher priority), never one within it, never one whose failed suspend backs off."""
+    import time
+
+    from relocator.controller.model import Demand
+
+    past = time.time() - 1
+    c = _fake_controller(tmp_path, {"n1": (4, 0)}, [_worker("a", "n1", 2, priority=5, time_limit_s=5, deadline=past),
+                                                     _worker("b", "n1", 2)])
+    demand = Demand(id="x", kind="launch", model="m", gpus=2)
+    s = c._plan_seating(demand, make_room=True)
+    assert (s.how, s.node, s.suspends) == ("preempt", "n1", ["a"])
+    a = c.store.worker("a")
+    a.deadline = time.time() + 60
+    c.store.save_worker(a)
+    assert c._plan_seating(demand, make_room=True).node is None
+    a.deadline, a.suspend_retry_at = past, time.time() + 30
+    c.store.save_worker(a)
+    assert c._plan_seating(demand, make_room=True).node is None
+
+
+def test_a_failed_suspend_backs_off_and_is_reported(tmp_path: Path) -> None:
+    import time
+
+    from relocator.controller.controller import SUSPEND_BACKOFF_MAX_S, SUSPEND_BACKOFF_S
+    from relocator.controller.metrics import ControllerCollector
+
+    c = _fake_controller(tmp_path, {"n1": (4, 3)}, [_worker("w1", "n1", 1, time_limit_s=5, deadline=time.time() - 1)])
+    c.backend.dump_error = RuntimeError("criu: dump failed")
+    delays = []
+    for _ in range(7):
+        t0 = time.time()
+        with pytest.raises(RuntimeError, match="serves again"):
+            c.suspend("w1", reason="time_limit")
+        w = c.store.worker("w1")
+        assert w.state == "running" and "criu" in w.suspend_error and w.suspend_backing_off(time.time())
+        delays.append(round(w.suspend_retry_at - t0, -1))
+    assert delays == [SUSPEND_BACKOFF_S * 2 ** i for i in range(6)] + [SUSPEND_BACKOFF_MAX_S]
+    failed = [f for k, f in c.events if k == "suspend_failed"]
+    assert len(failed) == 7 and failed[-1]["failures"] == 7 and failed[-1]["reason"] == "time_limit"
+    got = {m.name: m.samples[0].value for m in ControllerCollector.demand_metrics([], c.store.workers())}
+    assert got["relocator_suspend_backoff_workers"] == 1 and got["relocator_preemptible_workers"] == 1
+    c.backend.dump_error = None  # a suspend that works ends the back-off
+    c.router = lambda: pytest.fail("no sibling: the router keeps holding it")
+    c._queue = lambda demand, reason: None
+    c.suspend("w1", reason="time_limit")
+    w = c.store.worker("w1")
+    assert (w.state, w.suspend_failures, w.suspend_retry_at, w.suspend_error) == ("suspended", 0, None, "")

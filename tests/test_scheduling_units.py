@@ -76,3 +76,21 @@ def test_records_and_durations() -> None:
     for bad in ("3x", "-5", "0", "m"):
         with pytest.raises(ValueError):
             parse_duration(bad)
+
+
+def test_a_cordoned_node_receives_nothing() -> None:
+    """Every planning call keeps off a cordoned node (drain --by): fits, make_room, preempt,
+    consolidate; its own workers may still leave."""
+    nodes = [NodeView("n1", 4, 4, cordoned=True), NodeView("n2", 4, 3), NodeView("n3", 4, 3)]
+    seats = [Seat("w2", "n2", 1), Seat("w3", "n3", 1)]
+    assert fits(nodes, 4) is None and fits(nodes, 1) in ("n2", "n3")
+    s = make_room(nodes, seats, 4)
+    assert s.node in ("n2", "n3") and all(m.dst != "n1" for m in s.moves)
+    full = [NodeView("n1", 4, 4, cordoned=True), NodeView("n2", 4, 0)]
+    assert preempt(full, [Seat("a", "n2", 4)], 4, priority=1).node == "n2"
+    assert preempt([NodeView("n1", 4, 0, cordoned=True)], [Seat("a", "n1", 4)], 4, priority=1).node is None
+    spread = [NodeView("n1", 4, 2, cordoned=True), NodeView("n2", 4, 3), NodeView("n3", 4, 4)]
+    out = consolidate(spread, [Seat("a", "n1", 2), Seat("b", "n2", 1)])
+    assert all(m.dst != "n1" for m in out["moves"]), out  # b would have gone to n1
+    assert [(m.worker, m.dst) for m in consolidate([NodeView("n1", 4, 2), *spread[1:]],
+                                                   [Seat("a", "n1", 2), Seat("b", "n2", 1)])["moves"]] == [("b", "n1")]

@@ -44,6 +44,8 @@ CONTROLLER_NAME = "relocator-controller"
 ORPHAN_AFTER_S = 60.0  # a cell nobody owns is killed once it is this old
 NODE_WATCH_S = 0.5  # how often Ray's node table is read for nodes declared dead
 DEMAND_RETRY_S = 30.0  # a pending demand is retried when capacity changes, and at least this often
+#: a failed suspend: no automatic suspend of that worker for 30 s, 60 s, 120 s, ... at most 30 min
+SUSPEND_BACKOFF_S, SUSPEND_BACKOFF_MAX_S = 30.0, 1800.0
 #: states in which a worker holds GPUs on its node (through its reservation)
 HOLDING_STATES = (WorkerState.STARTING, WorkerState.RUNNING, WorkerState.RELOCATING, WorkerState.REPLACING,
                   WorkerState.SUSPENDING, WorkerState.RESUMING)
@@ -98,6 +100,7 @@ class Controller:
         self._demand_tried_at = 0.0
         self._lost_nodes: dict[str, float] = {}  # node -> when this controller saw it lost
         self._fenced_nodes: set[str] = set()
+        self._announced: set[tuple[str, float]] = set()  # (worker, deadline) announced preemptible
         from relocator.controller.periodic import PeriodicConsolidation
 
         self.periodic = PeriodicConsolidation(
@@ -183,11 +186,21 @@ class Controller:
                 self._nodes_at = time.monotonic()
             return dict(self._nodes)
 
-    def place(self, gpus: int, exclude: tuple[str, ...] = (), refresh: bool = False) -> str | None:
-        """The live node the planner's policy puts a `gpus`-GPU worker on (None: no room)."""
-        nodes = self.inventory(refresh=refresh)
-        return best_fit({n.id: n.gpus_free for n in nodes.values() if n.alive}, gpus, exclude=exclude,
-                        totals={n.id: n.gpus_total for n in nodes.values()}, policy=self.policy)
+    def place(self, gpus: int, exclude: tuple[str, ...] = ()) -> str | None:
+        """The live, uncordoned node the planner's policy puts a `gpus`-GPU worker on (None: no
+        room): the scheduling view every placement plans on (`_view`)."""
+        return scheduling.fits(self._view()[0], gpus, self.policy.value, exclude=exclude)
+
+    def _check_target(self, node: str, nodes: dict[str, NodeInfo] | None = None) -> None:
+        """An operator's explicit target (`--to`, `--node`): known, alive and not cordoned."""
+        nodes = self.inventory(refresh=True) if nodes is None else nodes
+        if node not in nodes:
+            raise ValueError(f"unknown node {node!r}; nodes: {', '.join(nodes)}")
+        if not nodes[node].alive:
+            raise ValueError(f"node {node!r} is lost")
+        if node in self.cordoned():
+            raise ValueError(f"node {node!r} is cordoned (drained with --by): nothing is placed there "
+                             f"until `relocator uncordon {node}`")
 
     def ping(self) -> dict:
         return {"pid": os.getpid(), "started_at": self.started_at, "init_s": getattr(self, "init_s", None),
@@ -330,7 +343,7 @@ class Controller:
             except Exception as exc:  # noqa: BLE001 - left to update_cells / fencing
                 log.warning("replace %s: could not kill %s on %s: %s", w.id, old_cell, old_node, exc)
             self.backend.free(old_reservation)
-            node = self.place(w.gpus, refresh=True)
+            node = self.place(w.gpus)
             if node is None:
                 raise RuntimeError(f"no live node has {w.gpus} free GPU(s)")
             tag = uuid.uuid4().hex[:6]
@@ -416,7 +429,8 @@ class Controller:
         `make_room` is False (then: RuntimeError, as a stock scheduler). A demand that cannot be
         met now is queued: returns {"id", "state": "pending", "demand"}; the reconcile loop starts
         it when capacity allows. `dry_run`: the plan only. `time_limit` (90, "90s", "15m", "2h"):
-        suspended and requeued after running that long. `faults`: injected into the first move."""
+        after running that long it is preemptible: suspended and requeued only when a waiting
+        demand or a drain's deadline needs its GPUs. `faults`: injected into the first move."""
         from adapters.base import DEFAULT_ENGINE, Engine
         from relocator.tinymodel import ensure_tiny_model
 
@@ -433,11 +447,8 @@ class Controller:
             wid = worker_id or self._new_worker_id()
             if self.store.worker(wid) or self.store.demand(wid) or wid in self._placing or wid in self._naming:
                 raise ValueError(f"worker {wid} exists")
-            nodes = self.inventory(refresh=True)
-            if node is not None and node not in nodes:
-                raise ValueError(f"unknown node {node!r}; nodes: {', '.join(nodes)}")
-            if node is not None and not nodes[node].alive:
-                raise ValueError(f"node {node!r} is lost")
+            if node is not None:
+                self._check_target(node)
             # the id is taken from here on: two launches at once (the demo starts two) must
             # not both pick the first free one before either is recorded
             self._naming.add(wid)
@@ -479,23 +490,26 @@ class Controller:
             # its RESERVE): a pending demand must not take them meanwhile
             if r.result == RUNNING and r.dst in nodes:
                 held[r.dst] = held.get(r.dst, 0) + next((w.gpus for w in workers if w.id == r.worker), 0)
-        view = [NodeView(n.id, n.gpus_total, max(0, min(n.gpus_free, n.gpus_total - held.get(n.id, 0))))
+        cordoned = self.cordoned()  # nothing is planned onto them (scheduling.closed)
+        view = [NodeView(n.id, n.gpus_total, max(0, min(n.gpus_free, n.gpus_total - held.get(n.id, 0))),
+                         cordoned=n.id in cordoned)
                 for n in nodes.values()]
+        now = time.time()
         seats = [Seat(w.id, w.node, w.gpus, w.priority, movable=w.state == WorkerState.RUNNING and w.id not in self._busy,
-                      bytes=sizes.get(w.id, 0))
+                      bytes=sizes.get(w.id, 0), expired=w.past_deadline(now),
+                      suspendable=not w.suspend_backing_off(now))
                  for w in workers if w.node in nodes and w.reservation and w.state in HOLDING_STATES]
         return view, seats
 
     def _plan_seating(self, demand: Demand, make_room: bool, exclude: tuple[str, ...] = ()) -> Seating:
-        nodes, seats = self._view()
-        exclude = tuple(exclude) + tuple(sorted(self.cordoned()))
+        nodes, seats = self._view()  # cordoned nodes are marked there: never a target
         policy = self.policy.value
         if not make_room:
             node = scheduling.fits(nodes, demand.gpus, policy, exclude=exclude)
             return Seating(node, reason="" if node else f"no node has {demand.gpus} free GPU(s)")
         seating = scheduling.make_room(nodes, seats, demand.gpus, max_moves=self.max_moves, policy=policy,
                                        exclude=exclude)
-        if seating.node is None and any(s.movable and s.priority < demand.priority for s in seats):
+        if seating.node is None and any(scheduling.can_suspend(s, demand.priority) for s in seats):
             preempt = scheduling.preempt(nodes, seats, demand.gpus, demand.priority, exclude=exclude)
             if preempt.node is not None:
                 return preempt
@@ -583,8 +597,12 @@ class Controller:
         """Suspend, then move, as the seating says (independent steps concurrently). Returns ""
         or what failed: the plan stops there, and every worker still serves."""
         errors: list[str] = []
+        now = time.time()
+        # past its time limit: that is why it goes (whatever the priorities); else a priority
+        why = {wid: SuspendReason.TIME_LIMIT if (w := self.store.worker(wid)) is not None and w.past_deadline(now)
+               else SuspendReason.PREEMPTED for wid in seating.suspends}
         threads = [threading.Thread(target=lambda wid=wid: self._collect(errors, f"suspend {wid}", lambda: self.suspend(
-            wid, reason=SuspendReason.PREEMPTED, by=demand.id)), daemon=True) for wid in seating.suspends]
+            wid, reason=why[wid], by=demand.id)), daemon=True) for wid in seating.suspends]
         for t in threads:
             t.start()
         for t in threads:
@@ -703,7 +721,9 @@ class Controller:
                 info = self.backend.dump(node, cell, image)
             except Exception as exc:
                 self._undo_suspend(w, image)
-                raise RuntimeError(f"suspend of {w.id} failed, it serves again: {exc}") from None
+                retry_in = self._suspend_failed(w, reason, exc)
+                raise RuntimeError(f"suspend of {w.id} failed, it serves again (no automatic suspend for "
+                                   f"{retry_in:.0f}s): {exc}") from None
             if siblings:  # the cut streams and new requests go to a sibling, not to the hold queue
                 self._best_effort(f"router: removing {w.id}", lambda: self.router().remove_replica(w.id))
             self._best_effort(f"killing the suspended source of {w.id}", lambda: self.backend.kill(node, cell))
@@ -711,6 +731,7 @@ class Controller:
             w.state, w.image, w.image_node = WorkerState.SUSPENDED, image, node
             w.node, w.cell_id, w.reservation, w.endpoint, w.deadline, w.gpu_ids = "", "", "", "", None, []
             w.suspend_reason, w.suspended_at, w.suspensions = reason.value, time.time(), w.suspensions + 1
+            w.suspend_failures, w.suspend_retry_at, w.suspend_error = 0, None, ""
             self.store.save_worker(w)
             out = {"worker": w.id, "node": node, "reason": reason.value, "image": image,
                    "image_bytes": int(info.get("bytes", 0)), "sibling": siblings[0] if siblings else None,
@@ -725,6 +746,21 @@ class Controller:
             with self._lock:
                 self._busy.discard(worker_id)
             self._wake.set()
+
+    def _suspend_failed(self, w: WorkerRecord, reason: SuspendReason, exc: Exception) -> float:
+        """A failed suspend backs off (exponential, capped): the planner does not pick the
+        worker again before `suspend_retry_at`, so a suspend that keeps failing is not retried
+        (hold, freeze, dump, resume) at every round. Reported: an event, the worker's record
+        (status), a metric. Returns the back-off in seconds."""
+        w.suspend_failures += 1
+        delay = min(SUSPEND_BACKOFF_MAX_S, SUSPEND_BACKOFF_S * 2 ** (w.suspend_failures - 1))
+        w.suspend_retry_at, w.suspend_error = time.time() + delay, str(exc)
+        self.store.save_worker(w)
+        log.warning("suspend of %s (%s) failed %d time(s) in a row, next automatic try in %.0fs: %s", w.id,
+                    reason.value, w.suspend_failures, delay, exc)
+        self.emit(EventKind.SUSPEND_FAILED, worker=w.id, node=w.node, reason=reason.value, error=str(exc),
+                  failures=w.suspend_failures, retry_in_s=delay)
+        return delay
 
     def _undo_suspend(self, w: WorkerRecord, image: str) -> None:
         """A suspend that failed before the source was killed: the source serves again."""
@@ -753,9 +789,7 @@ class Controller:
             raise RuntimeError(f"worker {worker_id} is being resumed")
         if node is None:
             return self._seat_demand(demand, make_room=True, queue=True)
-        nodes = self.inventory(refresh=True)
-        if node not in nodes or not nodes[node].alive:
-            raise ValueError(f"unknown or lost node {node!r}; nodes: {', '.join(nodes)}")
+        self._check_target(node)
         t0 = time.monotonic()
         with self._seating:
             claimed = self._claim_resume(w, node)
@@ -933,12 +967,17 @@ class Controller:
 
     # -- reconcile steps of the scheduling layer -------------------------------------------------
     def update_deadlines(self) -> None:
-        """A worker past its time limit is suspended and requeued (its resume demand waits)."""
+        """A worker past its time limit becomes preemptible; it is not suspended here. A waiting
+        demand that needs its GPUs suspends it (update_demands: any priority may, see
+        scheduling.can_suspend), as does a drain's deadline; with nobody waiting it serves on
+        (a suspend and a resume on its own GPUs would be a blackout for nothing). Announced once
+        per deadline (an event); the new seat view makes update_demands retry at once."""
         now = time.time()
         for w in self.store.workers():
-            if w.state == WorkerState.RUNNING and w.deadline and now >= w.deadline and w.id not in self._busy:
-                threading.Thread(target=self._best_effort, args=(f"time limit of {w.id}", lambda wid=w.id: self.suspend(
-                    wid, reason=SuspendReason.TIME_LIMIT)), name=f"time-limit-{w.id}", daemon=True).start()
+            if w.past_deadline(now) and (w.id, w.deadline) not in self._announced:
+                self._announced.add((w.id, w.deadline))
+                self.emit(EventKind.WORKER_PREEMPTIBLE, worker=w.id, node=w.node, deadline=w.deadline,
+                          priority=w.priority)
 
     def update_consolidation(self) -> None:
         """Periodic consolidation (config controller.consolidate; off by default)."""
@@ -956,7 +995,8 @@ class Controller:
         if not todo or self._retrying.is_set():
             return
         nodes, seats = self._view()
-        sig = (tuple((n.id, n.gpus_free) for n in nodes), tuple(sorted((s.worker, s.node, s.movable) for s in seats)),
+        sig = (tuple((n.id, n.gpus_free) for n in nodes),
+               tuple(sorted((s.worker, s.node, s.movable, s.expired, s.suspendable) for s in seats)),
                tuple(sorted(d.id for d in todo)))
         if sig == self._demand_sig and time.monotonic() - self._demand_tried_at < DEMAND_RETRY_S:
             return
@@ -1060,11 +1100,8 @@ class Controller:
         w = self.store.worker(worker_id)
         if w is None:
             raise KeyError(f"unknown worker {worker_id!r}")
-        nodes = self.inventory()
-        if to is not None and to not in nodes:
-            raise ValueError(f"unknown node {to!r}")
-        if to is not None and not nodes[to].alive:
-            raise ValueError(f"node {to!r} is lost")
+        if to is not None:
+            self._check_target(to, self.inventory())
         mode = TransferMode(transfer) if transfer is not None else self.transfer
         faults = check_faults({**env_faults(), **(faults or {})})
         with self._lock:
@@ -1113,12 +1150,14 @@ class Controller:
             self.store.put("cordon", node, {"node": node, "at": time.time(), "by": deadline})
         t0 = time.monotonic()
         todo = [w for w in self.store.workers() if w.node == node and w.state == "running"]
-        # plan all targets up front (evacuation), biggest first
-        todo.sort(key=lambda w: -w.gpus)
-        cordoned = self.cordoned()
-        free = {n.id: n.gpus_free for n in self.inventory(refresh=True).values()
-                if n.alive and n.id != node and n.id not in cordoned}
-        totals = {n.id: n.gpus_total for n in self.inventory().values() if n.id in free}
+        # plan all targets up front (evacuation), biggest first; workers past their time limit
+        # last: when room runs out, they are the ones set aside
+        now = time.time()
+        todo.sort(key=lambda w: (w.past_deadline(now), -w.gpus))
+        view = self._view()[0]
+        shut = scheduling.closed(view, (node,))  # the drained node and every cordoned one
+        free = {n.id: n.gpus_free for n in view if n.id not in shut}
+        totals = {n.id: n.gpus_total for n in view if n.id not in shut}
         plan: list[tuple[str, str]] = []
         suspend: list[str] = []
         for w in todo:
@@ -1187,7 +1226,9 @@ class Controller:
                          "replacements": w.replacements, "last_image": w.last_image,
                          "priority": w.priority, "time_limit_s": w.time_limit_s, "deadline": w.deadline,
                          "image": w.image, "suspend_reason": w.suspend_reason, "suspended_at": w.suspended_at,
-                         "suspensions": w.suspensions, "error": w.error} for w in self.store.workers()],
+                         "suspensions": w.suspensions, "preemptible": w.past_deadline(time.time()),
+                         "suspend_failures": w.suspend_failures, "suspend_retry_at": w.suspend_retry_at,
+                         "suspend_error": w.suspend_error, "error": w.error} for w in self.store.workers()],
             "pending": self.pending(),
             "cordoned": sorted(self.cordoned()),
             "relocations": [r.summary() for r in self.store.relocations()],

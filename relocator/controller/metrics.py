@@ -14,6 +14,7 @@ names (the cluster's size); never a worker or relocation id.
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from typing import Callable, Iterable, Iterator
 
@@ -124,6 +125,15 @@ class ControllerCollector:
                               "GPUs released")
         s.add_metric([], sum(1 for w in workers if w.state == WorkerState.SUSPENDED))
         yield s
+        now = time.time()
+        p = GaugeMetricFamily("relocator_preemptible_workers", "Workers past their time limit: suspended "
+                              "only when a waiting demand or a drain needs their GPUs")
+        p.add_metric([], sum(1 for w in workers if w.past_deadline(now)))
+        yield p
+        b = GaugeMetricFamily("relocator_suspend_backoff_workers", "Workers whose last suspend failed: no "
+                              "automatic suspend before their back-off ends")
+        b.add_metric([], sum(1 for w in workers if w.suspend_backing_off(now)))
+        yield b
 
     @staticmethod
     def worker_metrics(workers: list[WorkerRecord], engines: set[str]) -> Iterator[Metric]:

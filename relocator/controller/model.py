@@ -74,7 +74,8 @@ class SuspendReason(Choice):
 
     OPERATOR = "operator"  # `relocator suspend`: resumed by `relocator resume`
     PREEMPTED = "preempted"  # a higher-priority demand needed its GPUs: resumed automatically
-    TIME_LIMIT = "time_limit"  # its time limit ran out: requeued, resumed automatically
+    # past its time limit, a demand (or a drain) needed its GPUs: requeued, resumed automatically
+    TIME_LIMIT = "time_limit"
     DRAIN = "drain"  # its node was drained and nothing else fitted: resumed automatically
 
 
@@ -133,13 +134,25 @@ class WorkerRecord:
     last_image: str = ""  # its newest image (kept after a move on shared storage), for a warm restart
     last_image_node: str = ""
     priority: int = 0  # a demand of higher priority may suspend it (it resumes later)
-    time_limit_s: float | None = None  # suspended and requeued after running this long
+    time_limit_s: float | None = None  # preemptible after running this long (see past_deadline)
     deadline: float | None = None  # when its current run reaches its time limit
     image: str = ""  # while suspended: the image it resumes from
     image_node: str = ""
     suspend_reason: str = ""  # a SuspendReason while suspended
     suspended_at: float | None = None
     suspensions: int = 0
+    # a suspend that failed (the worker serves again): no automatic suspend before retry_at
+    suspend_failures: int = 0  # in a row; reset by a suspend that works
+    suspend_retry_at: float | None = None
+    suspend_error: str = ""
+
+    def past_deadline(self, now: float) -> bool:
+        """Running past its time limit: preemptible, i.e. any waiting demand (not only a
+        higher priority) or a drain's deadline may suspend it; nothing else does."""
+        return self.state == WorkerState.RUNNING and self.deadline is not None and now >= self.deadline
+
+    def suspend_backing_off(self, now: float) -> bool:
+        return self.suspend_retry_at is not None and now < self.suspend_retry_at
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

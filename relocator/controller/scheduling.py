@@ -24,17 +24,21 @@ DEFAULT_MAX_MOVES = 4
 
 @dataclass(frozen=True)
 class NodeView:
-    """A live node: its GPUs and how many of them nothing holds."""
+    """A live node: its GPUs and how many of them nothing holds. `cordoned` (a drain with a
+    deadline): its workers may leave, nothing is placed, moved or resumed onto it."""
 
     id: str
     gpus_total: int
     gpus_free: int
+    cordoned: bool = False
 
 
 @dataclass(frozen=True)
 class Seat:
     """A worker that holds GPUs on a node. `movable`: running and not busy (a live move or a
-    suspend may take it); `bytes`: what a move copies (its last image, else an estimate)."""
+    suspend may take it); `bytes`: what a move copies (its last image, else an estimate);
+    `expired`: past its time limit (any demand may suspend it); `suspendable`: False while a
+    failed suspend backs off."""
 
     worker: str
     node: str
@@ -42,6 +46,14 @@ class Seat:
     priority: int = 0
     movable: bool = True
     bytes: int = 0
+    expired: bool = False
+    suspendable: bool = True
+
+
+def can_suspend(s: Seat, priority: int) -> bool:
+    """Whether a demand of `priority` may suspend `s`: a strictly lower priority, or a worker
+    past its time limit (preemptible); never one whose failed suspend backs off."""
+    return s.movable and s.suspendable and (s.priority < priority or s.expired)
 
 
 @dataclass(frozen=True)
@@ -81,10 +93,16 @@ class Seating:
                 "bytes": sum(m.bytes for m in self.moves)}
 
 
-def to_cluster(nodes: Iterable[NodeView], seats: Iterable[Seat]) -> planner.Cluster:
+def closed(nodes: Iterable[NodeView], exclude: Iterable[str] = ()) -> set[str]:
+    """Nodes that take nobody: `exclude` and every cordoned node (the one rule for cordons)."""
+    return set(exclude) | {n.id for n in nodes if n.cordoned}
+
+
+def to_cluster(nodes: Iterable[NodeView], seats: Iterable[Seat], exclude: Iterable[str] = ()) -> planner.Cluster:
     """The planner's model: whole GPUs, no CPU or memory limits; GPUs held by something that
     is not a movable worker (a busy worker, a relocation's target, another tenant's
-    reservation) are one immovable workload per node."""
+    reservation) are one immovable workload per node. A closed node (`exclude`, cordoned)
+    never receives anything: one more immovable workload fills its free GPUs."""
     nodes = sorted(nodes, key=lambda n: n.id)
     cluster = planner.Cluster([planner.NodeSpec(n.id, 10**9, 10**9, n.gpus_total) for n in nodes])
     by_node: dict[str, list[Seat]] = {}
@@ -103,6 +121,11 @@ def to_cluster(nodes: Iterable[NodeView], seats: Iterable[Seat]) -> planner.Clus
                                              move_cost_bytes=s.bytes or s.gpus * GIB), n.id)
             except planner.PlannerError:  # the views disagree (Ray lags a free): not movable
                 pass
+    for nid in sorted(closed(nodes, exclude) & {n.id for n in nodes}):
+        free = int((cluster.gpu_left[cluster.node_index(nid)] >= planner.MILLI).sum())
+        if free:
+            cluster.add(planner.Workload(f"_closed_{nid}", num_gpu=free, gpu_milli=planner.MILLI,
+                                         relocatable=False), nid)
     return cluster
 
 
@@ -111,8 +134,9 @@ def _moves(plan: planner.Plan, seats: dict[str, Seat]) -> list[MovePlan]:
 
 
 def fits(nodes: Iterable[NodeView], gpus: int, policy: str = "best-fit", exclude: Iterable[str] = ()) -> str | None:
-    """A node with `gpus` free GPUs now (the policy's choice), or None."""
-    nodes = [n for n in nodes if n.id not in set(exclude)]
+    """A node with `gpus` free GPUs now (the policy's choice, never a closed one), or None."""
+    nodes = list(nodes)
+    nodes = [n for n in nodes if n.id not in closed(nodes, exclude)]
     cluster = to_cluster(nodes, [Seat(f"_used_{n.id}", n.id, n.gpus_total - n.gpus_free, movable=False)
                                  for n in nodes])
     p = planner.place(cluster, planner.Workload("_demand", num_gpu=gpus, gpu_milli=planner.MILLI), policy=policy)
@@ -122,7 +146,7 @@ def fits(nodes: Iterable[NodeView], gpus: int, policy: str = "best-fit", exclude
 def make_room(nodes: list[NodeView], seats: list[Seat], gpus: int, max_moves: int = DEFAULT_MAX_MOVES,
               policy: str = "best-fit", exclude: Iterable[str] = ()) -> Seating:
     """The fewest live moves (then fewest bytes) after which `gpus` GPUs are free on one node."""
-    exclude = set(exclude)
+    exclude = closed(nodes, exclude)
     live = [n for n in nodes if n.id not in exclude]
     if not any(n.gpus_total >= gpus for n in live):
         return Seating(None, reason=f"no node has {gpus} GPU(s) at all")
@@ -132,60 +156,59 @@ def make_room(nodes: list[NodeView], seats: list[Seat], gpus: int, max_moves: in
     if max_moves <= 0:
         return Seating(None, reason=f"no node has {gpus} free GPU(s) (moves disabled)")
     seats = [s for s in seats if s.node in {n.id for n in nodes}]
-    cluster = to_cluster(nodes, seats)
-    # an excluded node takes nobody and is never the target: one immovable workload fills it
-    for nid in exclude:
-        free = int((cluster.gpu_left[cluster.node_index(nid)] >= planner.MILLI).sum())
-        if free:
-            cluster.add(planner.Workload(f"_excluded_{nid}", num_gpu=free, gpu_milli=planner.MILLI,
-                                         relocatable=False), nid)
+    cluster = to_cluster(nodes, seats, exclude)  # a closed node takes nobody and is never the target
     plan = planner.defragment(cluster, planner.Workload("_demand", num_gpu=gpus, gpu_milli=planner.MILLI),
                               max_moves=max_moves, policy=policy, victim_policy="best-fit")
-    if plan is None or plan.placement is None:
+    if (plan is None or plan.placement is None or plan.placement.node in exclude
+            or any(m.dst in exclude for m in plan.moves)):  # a closed node's GPUs freed by a move: still closed
         return Seating(None, reason=f"no node has {gpus} free GPU(s), not even after {max_moves} live move(s)")
     return Seating(plan.placement.node, _moves(plan, {s.worker: s for s in seats}))
 
 
 def preempt(nodes: list[NodeView], seats: list[Seat], gpus: int, priority: int,
             exclude: Iterable[str] = ()) -> Seating:
-    """The fewest running workers of priority below `priority` to suspend so that `gpus` GPUs
-    are free on one node (then the lowest priorities, then the fewest GPUs set aside)."""
+    """The fewest running workers to suspend so that `gpus` GPUs are free on one node: of
+    priority below `priority`, or past their time limit (`can_suspend`). Those past their
+    limit first (they had their turn), then the fewest, the lowest priorities, the fewest GPUs."""
     best: tuple | None = None
-    exclude = set(exclude)
+    exclude = closed(nodes, exclude)
     for n in nodes:
         if n.id in exclude or n.gpus_total < gpus:
             continue
         free = n.gpus_free
         victims: list[Seat] = []
-        cands = sorted((s for s in seats if s.node == n.id and s.movable and s.priority < priority),
-                       key=lambda s: (s.priority, -s.gpus, s.worker))
-        # the fewest: take the largest of the lowest priority first, then drop any not needed
-        for s in sorted(cands, key=lambda s: (-s.gpus, s.priority, s.worker)):
+        cands = [s for s in seats if s.node == n.id and can_suspend(s, priority)]
+        # the fewest: take the largest of the lowest priority first (past their limit before
+        # all), then drop any not needed (those within their limit first)
+        for s in sorted(cands, key=lambda s: (not s.expired, -s.gpus, s.priority, s.worker)):
             if free >= gpus:
                 break
             victims.append(s)
             free += s.gpus
         if free < gpus:
             continue
-        for s in sorted(victims, key=lambda s: (-s.priority, s.gpus)):  # needless ones go back
+        for s in sorted(victims, key=lambda s: (s.expired, -s.priority, s.gpus)):  # needless ones go back
             if free - s.gpus >= gpus:
                 victims.remove(s)
                 free -= s.gpus
-        key = (len(victims), sum(s.priority for s in victims), sum(s.gpus for s in victims), n.id)
+        key = (sum(not s.expired for s in victims), len(victims), sum(s.priority for s in victims),
+               sum(s.gpus for s in victims), n.id)
         if best is None or key < best[0]:
             best = (key, n.id, [s.worker for s in victims])
     if best is None:
         return Seating(None, reason=f"no node has {gpus} GPU(s) even after suspending every worker of "
-                                    f"priority below {priority}")
+                                    f"priority below {priority} or past its time limit")
     return Seating(best[1], suspends=best[2])
 
 
 def consolidate(nodes: list[NodeView], seats: list[Seat], max_moves: int = 10) -> dict:
-    """Moves that pack the running workers onto the fewest nodes: {moves, nodes_freed}."""
+    """Moves that pack the running workers onto the fewest nodes, never onto a cordoned one:
+    {moves, nodes_freed}."""
     cluster = to_cluster(nodes, seats)
     plan = planner.consolidate(cluster, max_moves=max_moves, policy="best-fit")
     by = {s.worker: s for s in seats}
-    moves = _moves(plan, by)
+    shut = closed(nodes)
+    moves = [m for m in _moves(plan, by) if m.dst not in shut]
     used_before = {n.id for n in nodes if n.gpus_total - n.gpus_free > 0}
     left: dict[str, int] = {}
     for s in seats:
