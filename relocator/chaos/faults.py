@@ -270,3 +270,41 @@ def check_scheduling_outcome(step: dict[str, Any], fault: Fault | None) -> Outco
     if step.get("failed_requests"):
         problems.append(f"{step['failed_requests']} request(s) failed")
     return Outcome(fault.name if fault else None, step.get("result"), not problems, problems)
+
+
+@dataclass(frozen=True)
+class FaultMove:
+    """Where a step's move goes: `dst`, after a plain move to `pre` first when the fault would
+    otherwise take a spared node; `dst` None: no such move (`why`)."""
+
+    dst: str | None
+    pre: str | None = None
+    why: str = ""
+
+
+def _moved(free: dict[str, int], src: str, dst: str, gpus: int) -> dict[str, int]:
+    return {**free, src: free.get(src, 0) + gpus, dst: free.get(dst, 0) - gpus}
+
+
+def plan_fault_move(fault: Fault | None, worker_node: str, gpus: int, free: dict[str, int],
+                    alive: Sequence[str], spared: Sequence[str], preferred: str,
+                    rng: random.Random) -> FaultMove:
+    """The move for a step whose fault may kill a node: that node (the move's target, or its
+    source for `lost_node="src"`) is never one of `spared` (the controller's node, which the
+    controller does not survive: docs/loadtests.md). A worker sitting on a spared node is first
+    moved off it (plain move to `pre`) when its source is the one to lose."""
+    if fault is None or not fault.destructive:
+        dst = pick_target(worker_node, gpus, free, alive, preferred, rng)
+        return FaultMove(dst, why="" if dst else "no target with room")
+    expendable = [n for n in alive if n not in spared]
+    if fault.lost_node == "dst":
+        dst = pick_target(worker_node, gpus, free, expendable, preferred, rng)
+        return FaultMove(dst, why="" if dst else f"no target with room outside the spared {', '.join(spared)}")
+    src, pre = worker_node, None
+    if worker_node in spared:  # the source is lost: move the worker off the spared node first
+        pre = pick_target(worker_node, gpus, free, expendable, preferred, rng)
+        if pre is None:
+            return FaultMove(None, why=f"worker on spared {worker_node} and no other node with room to move it to")
+        free, src = _moved(free, worker_node, pre, gpus), pre
+    dst = pick_target(src, gpus, free, alive, preferred, rng)
+    return FaultMove(dst, pre, "" if dst else "no target with room")

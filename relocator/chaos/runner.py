@@ -24,10 +24,11 @@ from typing import Any, Callable
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 from relocator.chaos import leaks as L
+from relocator.chaos.budget import Stalled, Watch, guarded
 from relocator.chaos.hosts import LocalView, host_view, split_faults
 from relocator.procs import criu_processes, descendants, process_table
 from relocator.chaos.faults import (FAULTS, SMOKE_FAULTS, Fault, Step, StepKind, check_outcome,
-                                    check_scheduling_outcome, make_schedule, pick_target)
+                                    check_scheduling_outcome, make_schedule, plan_fault_move)
 
 MODEL = "tiny-llama"
 
@@ -53,12 +54,21 @@ class ChaosConfig:
     gpus_per_node: int = 4
     stop_workers: bool = True  # stop the workers it launched at the end
     engine: str | None = None  # the workers' engine (None: the default engine)
+    # budgets (relocator/chaos/budget.py): a step (a move and what follows its fault) and the
+    # whole run (None: an hour, plus `duration_s`); past one, the run ends `stalled`
+    step_budget_s: float = 480.0
+    run_budget_s: float | None = None
 
     @classmethod
     def smoke(cls, **kw: Any) -> "ChaosConfig":
-        base = dict(moves=3, faults=list(SMOKE_FAULTS), streams=4, workers=1)
+        # 15 min: with the clean-up after a stall (a few minutes at most), inside the 20 min a
+        # caller's `timeout 1200` gives it
+        base = dict(moves=3, faults=list(SMOKE_FAULTS), streams=4, workers=1, run_budget_s=900.0)
         base.update({k: v for k, v in kw.items() if v is not None})
         return cls(**base)
+
+    def run_budget(self) -> float:
+        return self.run_budget_s if self.run_budget_s is not None else 3600.0 + (self.duration_s or 0.0)
 
 
 # ---- small helpers -----------------------------------------------------------------------------
@@ -446,16 +456,62 @@ class _LoadThread:
         return self.report
 
 
+#: the budgets of the run whose steps this thread runs (run_chaos's step thread sets it): the
+#: poll helpers check it, so a step thread the run gave up on stops at its next poll
+_LOCAL = threading.local()
+
+
+def _watch() -> Watch | None:
+    return getattr(_LOCAL, "watch", None)
+
+
+def _check() -> None:
+    if (w := _watch()) is not None:
+        w.check()
+
+
+def _seen(event: str) -> None:
+    if (w := _watch()) is not None:
+        w.seen(event)
+
+
+def _waiting(what: str) -> None:
+    if (w := _watch()) is not None:
+        w.waiting(what)
+
+
+def _last_controller_event(view: LocalView, log: str | None) -> dict | None:
+    """The last line of the controller's events.jsonl, read from disk (the controller may be
+    gone); on emulated hosts from whichever host's directory has it."""
+    if not log:
+        return None
+    for host in sorted(getattr(view, "hosts", {})) or [""]:
+        p = view.path(host, log)
+        try:
+            with open(p, "rb") as fh:
+                fh.seek(max(0, p.stat().st_size - 16384))
+                lines = [ln for ln in fh.read().splitlines() if ln.strip()]
+            return json.loads(lines[-1]) if lines else None
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def _rel(ctl, rid: str) -> dict:
     while True:
+        _check()
         try:
-            return ctl.get_relocation(rid) or {}
+            rel = ctl.get_relocation(rid) or {}
         except Exception:  # noqa: BLE001 - the controller is restarting
             time.sleep(0.1)
+            continue
+        _seen(f"relocation {rid}: {rel.get('phase')} ({rel.get('result')})")
+        return rel
 
 
 def _status(ctl, tries: int = 600) -> dict:
     for _ in range(tries):
+        _check()
         try:
             return ctl.status()
         except Exception:  # noqa: BLE001
@@ -500,6 +556,7 @@ def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConf
         return state["rel"]
 
     deadline = time.monotonic() + cfg.move_timeout_s
+    _waiting(f"relocation {rid} of {worker['id']} ({step.fault or 'plain move'}) to finish")
     rel = still()
     while rel.get("result") == "running" and time.monotonic() < deadline:
         if inj and not inj.injected and inj.ready(rel):
@@ -524,10 +581,13 @@ def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConf
         # Ray declares the node dead after its health checks fail; a worker that ended up there
         # (the move completed first) is then marked lost and replaced (from its last image)
         t_end = time.monotonic() + cfg.move_timeout_s
+        _waiting(f"Ray to declare {rel.get(fault.lost_node)} dead and {worker['id']} running or failed on a live node")
         while time.monotonic() < t_end:
             st = _status(ctl)
             nodes = {n["id"]: n for n in st["nodes"]}
             w = next((x for x in st["workers"] if x["id"] == worker["id"]), None)
+            if w:
+                _seen(f"{w['id']}: {w['state']} on {w['node']}")
             node_alive = bool(w) and nodes.get(w["node"], {}).get("alive", False)
             lost_at = nodes.get(rel.get(fault.lost_node), {}).get("lost_at")
             if probe and w and w.get("endpoint"):
@@ -545,8 +605,10 @@ def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConf
         probe.add(worker["endpoint"])
         probe.add(rel.get("dst_endpoint"))
     if w and w["state"] == "running":
+        _waiting(f"{w['id']} to answer at {ep}")
         t_end = time.monotonic() + 30
         while time.monotonic() < t_end and not serving:
+            _check()
             serving = _post_ok(ep, timeout=5)
             if not serving:
                 time.sleep(0.2)
@@ -725,7 +787,9 @@ def _settle(ctl, timeout: float = 60.0) -> float | None:
     """Until the router answers a request again (it may be restarting, or re-registering the
     workers): the next move starts on a serving cluster. Seconds waited, None if it never did."""
     t0 = time.monotonic()
+    _waiting("the router to answer")
     while time.monotonic() - t0 < timeout:
+        _check()
         if _post_ok(ctl.router_url, timeout=10):
             return round(time.monotonic() - t0, 3)
         time.sleep(0.2)
@@ -763,11 +827,79 @@ def _expected(st: dict, moves: list[dict]) -> dict[str, set[str]]:
             "images": images}
 
 
+CONTROLLER_SPARED = ("hosts the controller, which is pinned there (the head node) and does not survive "
+                     "its loss: a fault that kills a node never takes it")
+
+
+def _own_node_id(_actor: Any) -> str:
+    """Run inside an actor (`__ray_call__`): the Ray node id it runs on."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def _controller_ray_node(ctl: Any) -> str | None:
+    """The Ray node id the controller actor runs on, asked of the actor itself."""
+    import ray
+
+    try:
+        return ray.get(ctl.handle.__ray_call__.remote(_own_node_id), timeout=30)
+    except Exception:  # noqa: BLE001 - a fake client, or the controller restarting
+        return None
+
+
+def _head_ray_node() -> str | None:
+    import ray
+
+    return next((n["NodeID"] for n in ray.nodes() if n.get("Alive")
+                 and "node:__internal_head__" in n.get("Resources", {})), None)
+
+
+def spared_nodes(st: dict, controller_ray_node: str | None, head_ray_node: str | None,
+                 protected: set[str]) -> dict[str, str]:
+    """{node: why} for the nodes a node-killing fault must spare: the controller's (from its
+    actor; else the head's, where it is pinned), and the view's protected ones."""
+    by_ray = {n.get("ray_node_id"): n["id"] for n in st["nodes"]}
+    out = {p: "emulated hosts: the head (GCS) or the controller's host" for p in sorted(protected)}
+    if controller_ray_node in by_ray:
+        out[by_ray[controller_ray_node]] = CONTROLLER_SPARED
+    elif head_ray_node in by_ray:
+        out[by_ray[head_ray_node]] = CONTROLLER_SPARED + " (its node not known: the head's spared)"
+    return out
+
+
+def _fault_step(ctl, base: Path, step: Step, w: dict, cfg: ChaosConfig, say, view: LocalView,
+                spared: dict[str, str], rng: random.Random) -> list[dict[str, Any]]:
+    """One forced move (with its fault): to a target that spares `spared`, after a plain move
+    off a spared node when the fault takes the move's source."""
+    fault = FAULTS[step.fault] if step.fault else None
+    out: list[dict[str, Any]] = []
+    for _ in range(2):
+        st = _status(ctl)
+        w = next(x for x in st["workers"] if x["id"] == w["id"])
+        alive = [n["id"] for n in st["nodes"] if n.get("alive", True)]
+        free = {n["id"]: n["gpus_free"] for n in st["nodes"]}
+        fm = plan_fault_move(fault, w["node"], w["gpus"], free, alive, sorted(spared), step.dst, rng)
+        if fm.dst is None:
+            return out + [{"step": step.index, "fault": step.fault, "result": "skipped", "error": fm.why}]
+        if not fm.pre:
+            return out + [one_move(ctl, base, step, w, fm.dst, cfg, say, view)]
+        say(f"  step {step.index}: {w['id']} moved off spared {w['node']} first ({step.fault} takes its source)")
+        pre = one_move(ctl, base, Step(step.index, w["id"], fm.pre), w, fm.pre, cfg, say, view)
+        out.append({**pre, "setup_for": step.fault, "spared": w["node"]})
+        if pre.get("result") != "done":
+            return out + [{"step": step.index, "fault": step.fault, "result": "skipped",
+                           "error": f"could not move {w['id']} off spared {w['node']}: {pre.get('result')}"}]
+    return out + [{"step": step.index, "fault": step.fault, "result": "skipped",
+                   "error": f"{w['id']} still on a spared node"}]
+
+
 def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = lambda *_: None) -> dict[str, Any]:
     from loadtests import LoadConfig, check_tokens, make_reference
 
     own = ctl is None
     t_all = time.monotonic()
+    watch = Watch(cfg.run_budget(), cfg.step_budget_s)
     if own:
         import relocator
         from relocator.cluster.local import read_info
@@ -794,16 +926,23 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
     launched: list[str] = []
     seen_cells: set[str] = set()  # every cell of our workers this run saw (for the netns check)
     load = None
-    try:
+    before: dict = {}
+    moves: list[dict] = []  # (outside the step thread: a stalled run reports the moves it made)
+
+    def body() -> None:
+        nonlocal load, before
+        _LOCAL.watch = watch
+        watch.phase("launch")
         before = view.collect()
         st0 = ctl.status()
+        report["events_log"] = (st0.get("events") or {}).get("log")
         t = time.monotonic()
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(cfg.workers) as pool:
             ws = list(pool.map(lambda _: ctl.launch(MODEL, gpus=cfg.gpus, engine=cfg.engine),
                                range(cfg.workers)))
-        launched = [w["id"] for w in ws]
+        launched.extend(w["id"] for w in ws)
         seen_cells.update(w["cell_id"] for w in ws)
         report["launch_s"] = round(time.monotonic() - t, 3)
         say(f"launched {', '.join(w['id'] + '@' + w['node'] for w in ws)} ({report['launch_s']:.0f}s)")
@@ -811,6 +950,7 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
                           output_tokens=list(cfg.output_tokens), prompt_words=[8, 32], distinct=12,
                           greedy_fraction=0.75, seed=cfg.seed, request_timeout_s=300,
                           chat_fraction=_chat_fraction(cfg.engine))
+        watch.waiting("the greedy reference from the worker")
         ref = _reference(lcfg, ws[0]["endpoint"], cfg.engine)
         load = _LoadThread(lcfg).start()
         time.sleep(1.0)
@@ -819,7 +959,6 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
                               suspends=cfg.suspends, make_rooms=cfg.make_rooms)
         say(f"{len(steps)} steps ({cfg.moves} plain moves, {cfg.suspends} suspend+resume, {cfg.make_rooms} "
             f"make-room, faults: {', '.join(cfg.faults) or 'none'}), {cfg.streams} streams")
-        moves: list[dict] = []
         interval = 60.0 / cfg.moves_per_minute if cfg.moves_per_minute > 0 else 0.0
         t_moves = time.monotonic()
         for i, step in enumerate(steps):
@@ -830,6 +969,7 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
                 wait = t_moves + i * interval - time.monotonic()
                 if wait > 0:
                     time.sleep(wait)
+            watch.begin(f"step {i} ({step.fault or step.kind.value})", step.fault)
             st = _status(ctl)
             w = next(x for x in st["workers"] if x["id"] == step.worker)
             if step.kind is not StepKind.MOVE:  # the scheduling layer's steps
@@ -845,18 +985,17 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
                 moves.append({"step": i, "fault": step.fault, "result": "skipped",
                               "error": f"worker {w['id']} is {w['state']}"})
                 continue
-            alive = [n["id"] for n in st["nodes"] if n.get("alive", True)]
-            if step.fault and FAULTS[step.fault].destructive:  # never the head node (GCS, controller)
-                alive = [n for n in alive if n != nodes[0] and n not in view.protected]
-            free = {n["id"]: n["gpus_free"] for n in st["nodes"]}
-            dst = pick_target(w["node"], w["gpus"], free, alive, step.dst, rng)
-            if dst is None:
-                moves.append({"step": i, "fault": step.fault, "result": "skipped", "error": "no target with room"})
-                continue
-            moves.append(one_move(ctl, base, step, w, dst, cfg, say, view))
+            spared: dict[str, str] = {}
+            if step.fault and FAULTS[step.fault].destructive:  # where the controller is now
+                spared = spared_nodes(st, _controller_ray_node(ctl), _head_ray_node(), view.protected)
+                report.setdefault("spared_nodes", {}).update(spared)
+            moves.extend(_fault_step(ctl, base, step, w, cfg, say, view, spared, rng))
+        watch.phase("checks after the steps")
         time.sleep(1.0)
+        watch.waiting("the load's streams to end")
         rep = load.stop()
         load = None
+        watch.waiting("the cluster's status and the leak check")
         tc = check_tokens(rep, ref)
         summ = rep.summary()
         # failed requests, attributed to the fault whose window (injection .. move end + 2 s) holds them
@@ -945,18 +1084,25 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
             "scheduling_steps": scheduling,
             "phase_seconds_p50": _p50_phases(moves),
         })
+
+    stalled: dict[str, Any] | None = None
+    try:
+        stalled = guarded(body, watch)
+        if stalled:
+            stalled["controller_event"] = _last_controller_event(view, report.get("events_log"))
+            report.update(stalled=stalled, moves=moves)
+            say(f"STALLED in {stalled['step']} after {stalled['elapsed_s']}s (the {stalled['budget']}'s budget, "
+                f"{stalled['budget_s']:g}s): waiting for {stalled['waiting_for']}; last seen "
+                f"{stalled['last_event']}; the controller's last event {stalled['controller_event']}")
     finally:
         if load is not None:
             try:
-                load.stop(60)
+                load.stop(30 if stalled else 60)
             except Exception:  # noqa: BLE001
                 pass
         if cfg.stop_workers:
             for wid in launched:
-                try:
-                    ctl.stop_worker(wid)
-                except Exception as exc:  # noqa: BLE001
-                    say(f"could not stop {wid}: {exc}")
+                _stop_worker(ctl, wid, say, bounded=stalled is not None)
         if cfg.stop_workers and "leaked" in report:
             final = _leak_settle(view, before, {}, _our_netns(seen_cells, report.get("moves", [])))
             report["leaked_after_stop"] = final
@@ -969,14 +1115,28 @@ def run_chaos(cfg: ChaosConfig, ctl: Any = None, say: Callable[[str], None] = la
     report["seconds"] = round(time.monotonic() - t_all, 1)
     ex = report.get("excluding_router_restart", {})
     report["ok"] = bool(
-        ex.get("failed_requests") == 0
+        not stalled
+        and ex.get("failed_requests") == 0
         and ex.get("tokens_lost") == ex.get("tokens_duplicated") == ex.get("tokens_mismatched") == 0
         and ex.get("text_mismatched") == 0
         and not L.total(report.get("leaked", {}))
         and all(o["ok"] for o in report.get("faults", {}).values())
         and all(o["ok"] for o in report.get("scheduling_steps", []) if not o.get("fault"))
         and report.get("plain_moves_done") == report.get("plain_moves"))
+    report["verdict"] = "stalled" if stalled else ("ok" if report["ok"] else "failed")
     return report
+
+
+def _stop_worker(ctl, wid: str, say, bounded: bool, timeout_s: float = 60.0) -> None:
+    """Stop one of the run's workers; after a stall, give up on it after `timeout_s` (the
+    controller may be gone: `down` then removes what is left of an own cluster)."""
+    try:
+        if not bounded:
+            ctl.stop_worker(wid)
+        elif guarded(lambda: ctl.stop_worker(wid), Watch(timeout_s, timeout_s)) is not None:
+            say(f"could not stop {wid}: no answer in {timeout_s:g}s")
+    except Exception as exc:  # noqa: BLE001
+        say(f"could not stop {wid}: {exc}")
 
 
 #: what each scheduling-layer step kind runs (forced moves run `one_move`)

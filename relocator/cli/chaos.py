@@ -54,6 +54,11 @@ def chaos_cmd(duration: float = typer.Option(None, "--duration", help="stop star
               cluster_dir: str = typer.Option(None, "--cluster-dir",
                                               help="a running cluster (else one is started here and stopped after)"),
               engine: Engine = typer.Option(Engine(DEFAULT_ENGINE), "--engine", help="the workers' engine"),
+              budget: float = typer.Option(None, "--budget", min=1,
+                                           help="whole-run budget in seconds (default 3600 + --duration; smoke 900); "
+                                                "past it the run ends `stalled`"),
+              step_budget: float = typer.Option(None, "--step-budget", min=1,
+                                                help="budget of one step (a move and its fault's aftermath; default 480 s)"),
               json_out: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Random forced relocations under greedy streaming load, with injected faults; every outcome checked."""
     import json
@@ -65,7 +70,8 @@ def chaos_cmd(duration: float = typer.Option(None, "--duration", help="stop star
     fl = parse_faults(faults) if faults is not None else None
     kw = dict(duration_s=duration, moves=moves, suspends=suspends, make_rooms=make_rooms,
               moves_per_minute=moves_per_minute, faults=fl, streams=streams,
-              workers=workers, seed=seed, png=png, engine=engine.value,
+              workers=workers, seed=seed, png=png, engine=engine.value, run_budget_s=budget,
+              step_budget_s=step_budget,
               cluster_dir=cluster_dir or os.environ.get("RELOCATOR_CLUSTER_DIR") or str(default_dir()))
     if smoke:
         cfg = ChaosConfig.smoke(**kw)
@@ -100,6 +106,15 @@ def chaos_cmd(duration: float = typer.Option(None, "--duration", help="stop star
                       f"{rep.get('requests')}, failed {rep.get('failed_requests')} {rep.get('failed_requests_by_fault')}; "
                       f"tokens lost/dup/mismatched {rep.get('tokens_lost')}/{rep.get('tokens_duplicated')}/"
                       f"{rep.get('tokens_mismatched')}; texts differing {rep.get('text_mismatched')}; leaked {rep.get('leaked')}; {rep.get('seconds')}s")
+        if rep.get("stalled"):
+            s = rep["stalled"]
+            console.print(f"[red]STALLED[/] in {s['step']} ({s['budget']} budget {s['budget_s']:g}s): waiting for "
+                          f"{s['waiting_for']}; last seen {s['last_event']}; controller's last event "
+                          f"{s.get('controller_event')}", highlight=False)
+        for node, why in rep.get("spared_nodes", {}).items():
+            console.print(f"spared {node}: {why}", highlight=False)
         console.print("[green]OK[/]" if rep["ok"] else "[red]FAILED[/]")
+    if rep.get("stalled"):  # 2: the run was cut short, its checks incomplete
+        raise typer.Exit(2)
     if not rep["ok"]:
         raise typer.Exit(1)
