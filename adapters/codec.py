@@ -21,8 +21,11 @@ CHAT_SAMPLING_KEYS = (
     "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
     "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
     "logit_bias", "bad_words", "allowed_token_ids", "stream_options", "user", "priority",
-    "min_tokens", "truncate_prompt_tokens", "length_penalty",
+    "min_tokens", "length_penalty", "return_tokens_as_token_ids",
 )
+
+#: vLLM clamps each logit_bias value to this range (SamplingParams.from_optional)
+LOGIT_BIAS_LIMIT = 100.0
 
 
 @dataclass
@@ -71,6 +74,11 @@ class ContinuationCodec:
         `text_by_router`: the router makes the text and applies stop strings itself, so the
         engine gets none (its text of a continuation is not the original's)."""
         raise NotImplementedError
+
+    def inexact_reasons(self, kind: Kind, body: dict, sent_ids: list[int]) -> list[str]:
+        """Why `continuation_request` may not generate what the uninterrupted run would
+        (empty: it does)."""
+        return inexact_reasons(kind, body, sent_ids)
 
     def parse_chunk(self, obj: dict) -> Delta:
         """One event of the continuation stream."""
@@ -124,6 +132,17 @@ def completions_continuation(kind: Kind, body: dict, prompt_ids: list[int], sent
             req["max_tokens"] = mt
     if text_by_router:
         req.pop("stop", None)
+    # truncation applies to the original prompt only: done here (a no-op on the ids vLLM
+    # reports, already truncated), not by the engine, which would cut into the sent tokens
+    req.pop("truncate_prompt_tokens", None)
+    req.pop("truncation_side", None)
+    prompt_ids = truncated(body, prompt_ids)
+    bias = penalty_bias(body, sent_ids)
+    if bias is not None:
+        req["logit_bias"] = bias
+    if kind == "chat" and body.get("logprobs"):
+        # chat logprobs are rebuilt from the completions ones (`chat_logprobs`)
+        req["logprobs"] = int(body.get("top_logprobs") or 0)
     req["prompt"] = list(prompt_ids) + list(sent_ids)
     req["stream"] = True
     req["return_token_ids"] = True
@@ -133,6 +152,95 @@ def completions_continuation(kind: Kind, body: dict, prompt_ids: list[int], sent
     if req.get("min_tokens"):
         req["min_tokens"] = max(0, int(req["min_tokens"]) - n)
     return req
+
+
+def truncated(body: dict, prompt_ids: list[int]) -> list[int]:
+    """`prompt_ids` cut as the engine's `truncate_prompt_tokens` would (-1, the model's
+    length, is left to the engine's reported ids)."""
+    k = body.get("truncate_prompt_tokens")
+    if not isinstance(k, int) or k <= 0 or len(prompt_ids) <= k:
+        return list(prompt_ids)
+    return list(prompt_ids[:k] if body.get("truncation_side") == "right" else prompt_ids[-k:])
+
+
+def _num(body: dict, key: str, default: float = 0.0) -> float:
+    v = body.get(key)
+    return default if v is None else float(v)
+
+
+def penalty_bias(body: dict, sent_ids: list[int]) -> dict[str, float] | None:
+    """The continuation's logit_bias: the client's, plus what frequency and presence penalty
+    charge the tokens already sent (the engine counts them over output tokens only, and those
+    are prompt tokens now): -frequency_penalty * count(t) - presence_penalty for each sent t.
+    vLLM adds logit_bias before its penalties, so the sum is the uninterrupted run's (see
+    `inexact_reasons` for where it is not). None: the client's logit_bias is kept as it is."""
+    fp, pp = _num(body, "frequency_penalty"), _num(body, "presence_penalty")
+    if not sent_ids or (fp == 0 and pp == 0):
+        return None
+    bias = {str(k): _clamp(float(v)) for k, v in (body.get("logit_bias") or {}).items()}
+    for t, b in _penalized(body, sent_ids).items():
+        bias[str(t)] = _clamp(b)
+    return bias
+
+
+def _clamp(b: float) -> float:
+    return max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, b))
+
+
+def _penalized(body: dict, sent_ids: list[int]) -> dict[int, float]:
+    """Each sent token's logit_bias before clamping: the client's (clamped, as the engine
+    does) less what frequency and presence penalty charge it."""
+    fp, pp = _num(body, "frequency_penalty"), _num(body, "presence_penalty")
+    client = body.get("logit_bias") or {}
+    counts: dict[int, int] = {}
+    for t in sent_ids:
+        counts[t] = counts.get(t, 0) + 1
+    return {t: _clamp(float(client.get(str(t), 0.0))) - fp * c - pp for t, c in counts.items()}
+
+
+def inexact_reasons(kind: Kind, body: dict, sent_ids: list[int]) -> list[str]:
+    """Why a continuation after `sent_ids` may not give the uninterrupted run's tokens (empty:
+    it does). Each reason is documented in docs/router.md ("What a continuation keeps")."""
+    if not sent_ids:
+        return []
+    out: list[str] = []
+    fp, pp = _num(body, "frequency_penalty"), _num(body, "presence_penalty")
+    if pp != 0:
+        out.append("presence_penalty")  # a sent token that comes again is charged twice
+    if (fp != 0 or pp != 0) and _num(body, "repetition_penalty", 1.0) != 1.0:
+        out.append("repetition_penalty_with_bias")  # scales the bias that stands in for them
+    if fp != 0 or pp != 0:
+        if any(abs(b) > LOGIT_BIAS_LIMIT for b in _penalized(body, sent_ids).values()):
+            out.append("logit_bias_clamped")
+    if body.get("seed") is not None and _num(body, "temperature", 1.0) > 0:
+        out.append("seed")  # the seeded sampler restarts at the splice
+    if body.get("bad_words"):
+        out.append("bad_words")  # a multi-token bad word begun before the splice is not seen
+    return out
+
+
+def chat_logprobs(lp: Any, top: int, keep: int) -> dict | None:
+    """Chat-shaped logprobs (`{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`,
+    as vLLM's chat endpoint makes them) from a completions chunk's logprobs asked with
+    `logprobs=top`: vLLM's completions dict holds the same entries in the same order (the
+    sampled token first, then the top ones), chat lists its first `top`. `keep`: how many of
+    the chunk's tokens are sent (the router may have cut at a stop string)."""
+    if not isinstance(lp, dict) or not isinstance(lp.get("tokens"), list):
+        return None
+    content = []
+    tops = lp.get("top_logprobs") or []
+    for i, tok in enumerate(lp["tokens"][:keep]):
+        lps = lp.get("token_logprobs") or []
+        entry: dict[str, Any] = {"token": tok,
+                                 "logprob": lps[i] if i < len(lps) and lps[i] is not None
+                                 else -9999.0,
+                                 "bytes": list(tok.encode("utf-8", errors="replace"))}
+        step = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
+        entry["top_logprobs"] = [
+            {"token": t, "logprob": v, "bytes": list(t.encode("utf-8", errors="replace"))}
+            for t, v in list(step.items())[:max(0, top)]]
+        content.append(entry)
+    return {"content": content}
 
 
 def parse_ids(segments: list[bytes]) -> list[int]:

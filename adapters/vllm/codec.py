@@ -4,8 +4,9 @@
 `prompt_token_ids` (inside the choice for completions, at the top level for chat); without it
 vLLM still emits both keys as `null`, so replacing the arrays by `null` gives exactly the bytes
 a client would have got directly. A chat request is continued as a completions request on the
-prompt ids (the chat template was already applied). The text of a continued stream is made
-from ids with vLLM's own text making, replayed (`outtext.OutputText`)."""
+prompt ids (the chat template was already applied); its logprobs are asked as completions
+logprobs and rebuilt in the chat shape (`adapters.codec.chat_logprobs`). The text of a
+continued stream is made from ids with vLLM's own text making, replayed (`outtext.OutputText`)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ class Codec(ContinuationCodec):
         rb'"token_ids":null\}\][^\n]*\}\n\n')
 
     def unsupported_reason(self, kind: Kind, body: dict) -> str | None:
-        if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1:
-            return "n > 1 / best_of > 1"
+        # best_of is not a field of vLLM 0.32's completions or chat request (it is ignored,
+        # with a warning): a request with it is generated, and continued, as one without
+        if (body.get("n") or 1) != 1:
+            return "n > 1"
         if body.get("use_beam_search"):
             return "beam search"
         if kind == "completions":
@@ -39,8 +42,6 @@ class Codec(ContinuationCodec):
                       "guided_regex", "guided_choice", "guided_grammar"):
                 if body.get(k):
                     return f"chat with {k}"
-            if body.get("logprobs") or body.get("top_logprobs"):
-                return "chat with logprobs"
             if body.get("echo"):
                 return "chat with echo"
         for k in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",

@@ -81,6 +81,7 @@ class Hooks:
     def continued(self, outcome: str) -> None: ...
     def splice(self, at: str) -> None: ...
     def stream_spliced(self, kinds: list[str]) -> None: ...
+    def continuation_inexact(self, reason: str) -> None: ...
     def retried(self) -> None: ...
     def suspect_hold(self, worker: str) -> None: ...
     def suspect_end(self, worker: str, outcome: str) -> None: ...
@@ -539,8 +540,21 @@ class RouterCore:
         sent = st.sent_ids
         if st.legs == 0:
             st.make_text(await self._tokenizer(r, model, sent))
-        return self.codec(r).continuation_request(st.kind, st.body, prompt, sent,
-                                                  text_by_router=st.text is not None)
+        codec = self.codec(r)
+        self._report_inexact(st, codec.inexact_reasons(st.kind, st.body, sent))
+        return codec.continuation_request(st.kind, st.body, prompt, sent,
+                                          text_by_router=st.text is not None)
+
+    def _report_inexact(self, st: StreamState, reasons: list[str]) -> None:
+        """A continuation that may not give the uninterrupted run's tokens is counted and
+        logged, never silent (docs/router.md, "What a continuation keeps")."""
+        for why in reasons:
+            if why not in st.inexact:
+                st.inexact.append(why)
+                self.hooks.continuation_inexact(why)
+        if reasons:
+            log.info("stream continued inexactly after %d tokens: %s", len(st.sent_ids),
+                     ", ".join(reasons))
 
     async def _tokenizer(self, r: Replica, model: str, sample: list[int]):
         """The model's tokenizer for continued text, checked once against the engine's own

@@ -33,6 +33,11 @@ class PromHooks(Hooks):
             "relocator_router_spliced_streams",
             "Continued streams (counted at their end), once for each kind of splice they had",
             ["at"], registry=r)
+        self.inexact = Counter(
+            "relocator_continuations_inexact",
+            "Continued streams whose continuation may differ from the uninterrupted run, by "
+            "reason (docs/router.md, \"What a continuation keeps\"), once per stream and reason",
+            ["reason"], registry=r)
         self.retries = Counter("relocator_router_retries",
                                "Upstream attempts retried before the first byte", registry=r)
         self.suspects = Counter("relocator_router_suspect_holds",
@@ -71,6 +76,9 @@ class PromHooks(Hooks):
     def stream_spliced(self, kinds: list[str]) -> None:
         for at in kinds:
             self.spliced_streams.labels(at).inc()
+
+    def continuation_inexact(self, reason: str) -> None:
+        self.inexact.labels(reason).inc()
 
     def retried(self) -> None:
         self.retries.inc()

@@ -19,7 +19,7 @@ import time
 import uuid
 from typing import Any
 
-from adapters.codec import ContinuationCodec, Delta, Kind, dumps, parse_ids
+from adapters.codec import ContinuationCodec, Delta, Kind, chat_logprobs, dumps, parse_ids
 
 DONE = b"data: [DONE]\n\n"
 
@@ -64,6 +64,8 @@ class StreamState:
         #: where the last splice fell (the text's `held_back()`; "engine_text": no text making)
         self.splice_at = ""
         self.splices: list[str] = []
+        #: why a continuation may differ from the uninterrupted run (`codec.inexact_reasons`)
+        self.inexact: list[str] = []
         #: sent as a continuation from its first token (`use_translated`); its chat chunks
         #: are made here, the first one carrying the assistant role
         self.translated = False
@@ -298,10 +300,19 @@ class StreamState:
         if finish:
             self.finished = True
         logprobs = self._shift_offsets(d.logprobs, len(ids))
+        if self.kind == "chat":
+            logprobs = self._chat_logprobs(d.logprobs, len(ids))
         if (self.kind == "chat" and not text and finish is None and not self.wants_ids
                 and not logprobs):
             return b""  # vLLM sends no chat chunk for a step without text
         return self._chunk(text, ids, finish, reason, logprobs, d.usage)
+
+    def _chat_logprobs(self, lp: Any, keep: int) -> Any:
+        """A chat request's logprobs, rebuilt from the completions continuation's (asked with
+        `logprobs` = the client's `top_logprobs`); None when the client asked for none."""
+        if not self.body.get("logprobs"):
+            return None
+        return chat_logprobs(lp, int(self.body.get("top_logprobs") or 0), keep)
 
     def _shift_offsets(self, lp: Any, keep: int) -> Any:
         """Completions logprobs of a continued leg: offsets continue those already sent; tokens
@@ -342,7 +353,7 @@ class StreamState:
                 delta = {"role": "assistant", "content": text}
                 self.role_pending = False
             choice: dict[str, Any] = {"index": 0, "delta": delta,
-                                      "logprobs": None, "finish_reason": finish}
+                                      "logprobs": logprobs, "finish_reason": finish}
             if finish:
                 choice["stop_reason"] = stop_reason
             choice["token_ids"] = tid
