@@ -827,8 +827,8 @@ def _expected(st: dict, moves: list[dict]) -> dict[str, set[str]]:
             "images": images}
 
 
-CONTROLLER_SPARED = ("hosts the controller, which is pinned there (the head node) and does not survive "
-                     "its loss: a fault that kills a node never takes it")
+CONTROLLER_SPARED = ("hosts the controller, which is pinned there (the head node, or deploy's controller.node) "
+                     "and does not survive its loss: a fault that kills a node never takes it")
 
 
 def _own_node_id(_actor: Any) -> str:
