@@ -223,8 +223,8 @@ def chat_logprobs(lp: Any, top: int, keep: int) -> dict | None:
     """Chat-shaped logprobs (`{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`,
     as vLLM's chat endpoint makes them) from a completions chunk's logprobs asked with
     `logprobs=top`: vLLM's completions dict holds the same entries in the same order (the
-    sampled token first, then the top ones), chat lists its first `top`. `keep`: how many of
-    the chunk's tokens are sent (the router may have cut at a stop string)."""
+    sampled token first, then the top ones), chat lists its first `top` (-1: all). `keep`:
+    how many of the chunk's tokens are sent (the router may have cut at a stop string)."""
     if not isinstance(lp, dict) or not isinstance(lp.get("tokens"), list):
         return None
     content = []
@@ -238,7 +238,7 @@ def chat_logprobs(lp: Any, top: int, keep: int) -> dict | None:
         step = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
         entry["top_logprobs"] = [
             {"token": t, "logprob": v, "bytes": list(t.encode("utf-8", errors="replace"))}
-            for t, v in list(step.items())[:max(0, top)]]
+            for t, v in (list(step.items()) if top < 0 else list(step.items())[:top])]
         content.append(entry)
     return {"content": content}
 

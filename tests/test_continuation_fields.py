@@ -175,6 +175,7 @@ def test_chat_logprobs_from_completions_logprobs():
                           {"token": "é", "logprob": -1.25, "bytes": [195, 169]}]}]}
     assert [c["token"] for c in chat_logprobs(lp, 0, 1)["content"]] == ["a"]
     assert chat_logprobs(lp, 0, 1)["content"][0]["top_logprobs"] == []
+    assert len(chat_logprobs(lp, -1, 2)["content"][0]["top_logprobs"]) == 3  # -1: all of them
     assert chat_logprobs(None, 2, 1) is None
 
 
