@@ -95,7 +95,8 @@ def test_postcopy_releases_the_source_after_the_last_page(relocator_cluster, wor
     rel, full = _move(relocator_cluster, worker, ref, "postcopy")
     assert rel["transfer"] == "postcopy"
     pc = rel["postcopy"]
-    assert pc["lazy_bytes"] > 200 << 20 and pc["page_bytes"] >= pc["lazy_bytes"] * 0.9, pc
+    # every lazy byte reached the target (by request or by the push) before the source went
+    assert pc["lazy_bytes"] > 200 << 20 and pc["page_bytes"] == pc["lazy_bytes"], pc
     assert 0 <= pc["pages_after_switch_bytes"] <= pc["page_bytes"] and pc["postcopy_s"] > 0
     # the bulk came by the push channel, not page by page through CRIU's page server
     assert pc["pump_port"] and pc["pushed_bytes"] > 0, pc
