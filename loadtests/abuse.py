@@ -29,6 +29,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from adapters.codec import CHAT_SAMPLING_KEYS
+
 
 # ---- safety and process facts -------------------------------------------------------------
 def loopback_target(url: str) -> tuple[str, int]:
@@ -312,6 +314,97 @@ async def sec_malformed(ctx: _Ctx) -> None:
         await _case(ctx, "malformed", name, h, p, _req("POST", "/v1/completions", ctx.hosthdr,
                                                        body), lambda st: st is not None,
                     router_made=False)
+
+
+# ---- field by field: every request field the router reads, with the wrong type -------------
+#: the fields the router reads (`body.get(` in relocator/router, adapters/*/codec.py and the
+#: text making, adapters/vllm/outtext.py; the chat fields a continuation carries); dotted:
+#: inside an object
+ROUTER_FIELDS: dict[str, tuple[str, ...]] = {
+    "both": tuple(dict.fromkeys((
+        "model", "stream", "stream_options", "stream_options.include_usage",
+        "stream_options.continuous_usage_stats", "user", "max_tokens", "max_completion_tokens",
+        "min_tokens", "n", "best_of", "use_beam_search", "logprobs", "top_logprobs", "echo",
+        "return_token_ids", "detokenize", "stop", "stop_regex", "include_stop_str_in_output",
+        "skip_special_tokens", "spaces_between_special_tokens", "response_format",
+        "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+        "json_schema", "regex", "ebnf", *CHAT_SAMPLING_KEYS))),
+    "completions": ("prompt", "suffix"),
+    "chat": ("messages", "tools", "tool_choice", "functions", "function_call",
+             "return_prompt_token_ids", "continue_final_message", "chat_template_kwargs",
+             "reasoning_effort"),
+}
+WRONG_VALUES: list[tuple[str, Any]] = [
+    ("string", "abuse"), ("empty string", ""), ("object", {"a": 1}), ("empty object", {}),
+    ("mixed list", [1, "x", None]), ("empty list", []), ("null", None), ("true", True),
+    ("false", False), ("negative", -1), ("zero", 0), ("fraction", 0.5), ("huge", 10 ** 30),
+    ("huge float", 1e308), ("nested", [[[{"a": [None]}]]]),
+]
+#: values an engine may honour rather than refuse (10**30 sequences): a denial of service of
+#: the engine, not a test of the router
+_HONOURED = {("n", "huge"), ("best_of", "huge"), ("n", "huge float"), ("best_of", "huge float")}
+KIND_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+def field_cases(model: str) -> list[tuple[str, str, bytes]]:
+    """(kind, case name, body): each field the router reads, set to each wrong value, in a
+    streamed and an unstreamed request of both endpoints (everything else valid)."""
+    out = []
+    for kind, path in KIND_PATHS.items():
+        base: dict[str, Any] = {"model": model, "max_tokens": 4}
+        base.update({"prompt": "abuse"} if kind == "completions" else
+                    {"messages": [{"role": "user", "content": "abuse"}]})
+        for f in ROUTER_FIELDS["both"] + ROUTER_FIELDS[kind]:
+            for stream in ((True,) if f == "stream" else (True, False)):
+                for vname, v in WRONG_VALUES:
+                    if (f, vname) in _HONOURED:
+                        continue
+                    body = dict(base, stream=stream)
+                    if "." in f:
+                        top, sub = f.split(".", 1)
+                        body[top] = {"include_usage": True, sub: v}
+                    else:
+                        body[f] = v
+                    out.append((kind, f"{path} stream={stream} {f}={vname}",
+                                json.dumps(body).encode()))
+    return out
+
+
+def _router_made(buf: bytes) -> bool:
+    """A 5xx the router made (its own error shape, or aiohttp's page for a crash), not one
+    an engine answered and the router passed through."""
+    body = buf.split(b"\r\n\r\n", 1)[-1]
+    return b'"type": "upstream_error"' in body or b'"type": "service_unavailable"' in body \
+        or b'"error"' not in body
+
+
+async def sec_fields(ctx: _Ctx, concurrency: int = 8) -> None:
+    """`field_cases` against the router: no 5xx, no hang, every stream ends cleanly."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(kind: str, name: str, body: bytes) -> None:
+        async with sem:
+            data = _req("POST", KIND_PATHS[kind], ctx.hosthdr, body)
+            try:
+                st, buf = await raw_http(ctx.host, ctx.port, data, ctx.cfg.case_timeout_s,
+                                         read_limit=1 << 20)
+            except asyncio.TimeoutError:
+                ctx.note("fields", -1)
+                ctx.finding("fields", name, f"no answer within {ctx.cfg.case_timeout_s:g} s")
+                return
+            except (ConnectionError, OSError) as e:
+                ctx.note("fields", None)
+                ctx.finding("fields", name, f"connect failed: {e}")
+                return
+            ctx.note("fields", st)
+            if st is None or st >= 500:
+                who = "router-made" if st is None or _router_made(buf) else "engine's"
+                snippet = buf.split(b"\r\n\r\n", 1)[-1][:160].decode(errors="replace")
+                ctx.finding("fields", name, f"status {st} ({who}): {snippet}")
+            elif st == 200 and not _complete(buf):
+                ctx.finding("fields", name, "200 but the response broke off")
+
+    await asyncio.gather(*(one(*c) for c in field_cases(ctx.model)))
 
 
 async def sec_headers(ctx: _Ctx, host: str, port: int, label: str) -> None:
@@ -608,6 +701,7 @@ async def run_abuse(cfg: AbuseConfig) -> dict[str, Any]:
                               "model": model, "baseline": base, "rounds": [], "crashed": None}
     sections: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
         ("malformed", lambda: sec_malformed(ctx)),
+        ("fields", lambda: sec_fields(ctx)),
         ("headers", lambda: sec_headers(ctx, host, port, "api")),
         ("slow", lambda: sec_slow(ctx)),
         ("disconnects", lambda: sec_disconnects(ctx)),

@@ -85,3 +85,64 @@ async def test_cli_abuse_json(router_proc):
     # exit 1 while the known deep-nesting 500 is there, 0 once fixed
     assert p.returncode == (0 if d["ok"] else 1), err.decode()
     assert proc.p.poll() is None
+
+
+async def test_field_by_field_against_the_router_core():
+    """`loadtests.abuse.field_cases` (each field the router reads, each wrong type, both
+    endpoints, streamed and not) against the router core and the fake engine, no HTTP
+    front: nothing the router answers is a 5xx, and what it refuses itself is a 400 in
+    OpenAI's shape (a non-object `stream_options` crashed the stream state: a 500)."""
+    from collections import Counter
+
+    from loadtests.abuse import field_cases
+    from relocator.router.core import RouterCore, Stream
+    from relocator.router.errors import RouterError
+    from relocator.router.fakeserver import start_fake
+    from relocator.router.table import RoutingTable
+    from relocator.router.upstream import AiohttpUpstream
+
+    eng, runner, url = await start_fake("fake")
+    table = RoutingTable()
+    table.add("w1", "fake", url)
+    upstream = AiohttpUpstream()
+    core = RouterCore(table, upstream)
+    statuses: Counter = Counter()
+    refused: dict[str, dict] = {}
+    bad: list[tuple[str, str]] = []
+    sem = asyncio.Semaphore(16)
+
+    async def one(kind: str, name: str, body: bytes) -> None:
+        async with sem:
+            try:
+                res = await core.handle(kind, body)
+                if isinstance(res, Stream):
+                    async for _ in res.chunks:
+                        pass
+                st = res.status
+            except RouterError as e:
+                st = e.status
+                refused[name] = e.body()
+            except Exception as e:  # the front end would answer 500
+                st = 500
+                bad.append((name, repr(e)))
+            statuses[st] += 1
+            if st >= 500:
+                bad.append((name, str(st)))
+
+    cases = field_cases("fake")
+    try:
+        await asyncio.gather(*(one(*c) for c in cases))
+    finally:
+        await upstream.close()
+        await runner.cleanup()
+    print(len(cases), dict(statuses))
+    assert not bad, bad[:10]
+    assert sum(statuses.values()) == len(cases) > 2000
+    assert statuses[200] > 500 and statuses[400] > 200  # both sides exercised
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        for v in ("string", "true", "mixed list", "huge"):
+            err = refused[f"{path} stream=True stream_options={v}"]["error"]
+            assert err["param"] == "stream_options" and err["type"] == "invalid_request_error"
+            assert set(err) == {"message", "type", "param", "code"}
+    assert refused["/v1/completions stream=True max_tokens=string"]["error"]["param"] == \
+        "max_tokens"

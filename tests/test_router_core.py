@@ -250,3 +250,156 @@ if given is not None:
             ids = list(prompt.encode())
         ref, got = _spliced(kind, body, ids, cut, fake_tokenizer())
         assert got == ref
+
+
+# ---- usage: what platforms bill from must equal a run that never moved (issue 25, 3) -----
+def _usages(raw: bytes) -> list[tuple[bool, dict]]:
+    """(final usage chunk?, usage) of every event carrying usage, in order."""
+    out = []
+    for ev in raw.decode().split("\n\n"):
+        if ev.startswith("data: {"):
+            obj = json.loads(ev[6:])
+            if obj.get("usage") is not None:
+                out.append((obj.get("choices") == [], obj["usage"]))
+    return out
+
+
+def _usage_body(kind: str, continuous: bool = False) -> dict:
+    body = {"model": "m", "max_tokens": 9, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": continuous}}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if kind == "chat"
+                else {"prompt": "hi"})
+    return body
+
+
+def _fake_stream(kind: str, prompt: list[int], body: dict, want_ids: bool = True) -> list[bytes]:
+    from relocator.router.fakeserver import FakeEngine, generate
+
+    out, pieces, finish, reason = generate(prompt, body, body["max_tokens"])
+    evs = FakeEngine("m")._events(kind, "c-1", 5, prompt, out, pieces, finish, reason,
+                                  want_ids, body)
+    return [e.encode() for e in evs]
+
+
+PROMPT = list(b"<user>hi<assistant>")
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+@pytest.mark.parametrize("continuous", [False, True])
+@pytest.mark.parametrize("engine_usage_passed", [False, True])
+def test_usage_when_the_upstream_breaks_between_finish_and_done(kind, continuous,
+                                                                engine_usage_passed):
+    """The engine's stream ends after its finish chunk (before its usage chunk, or after it):
+    the client still gets exactly one final usage chunk, the uninterrupted run's."""
+    body = _usage_body(kind, continuous)
+    ref = _fake_stream(kind, PROMPT, body)
+    assert ref[-1] == b"data: [DONE]\n\n" and b'"choices":[]' in ref[-2]
+    st = StreamState(kind, body, codec=VLLMCodec())
+    got = b"".join(st.feed(ev) for ev in ref[:-1 if engine_usage_passed else -2])
+    assert st.finished and not st.done
+    got += st.tail_after_finish()
+    assert got.endswith(b"data: [DONE]\n\n")
+    want = _usages(b"".join(ref))
+    assert [u for u in _usages(got) if u[0]] == [want[-1]]  # exactly one, the engine's counts
+    assert _usages(got) == want
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_usage_of_an_untracked_stream_comes_from_the_engine(kind):
+    """A stream the router does not continue carries no ids: the counts of a usage chunk
+    the router must make come from the engine's per-chunk usage; without any, none is
+    invented (no zeros)."""
+    for continuous in (True, False):
+        body = _usage_body(kind, continuous)
+        ref = _fake_stream(kind, PROMPT, body, want_ids=False)
+        st = StreamState(kind, body, continuation=False, codec=VLLMCodec())
+        got = b"".join(st.feed(ev) for ev in ref[:-2]) + st.tail_after_finish()
+        finals = [u for u in _usages(got) if u[0]]
+        assert finals == ([_usages(b"".join(ref))[-1]] if continuous else [])
+        assert got.endswith(b"data: [DONE]\n\n")
+
+
+def _spliced_usage(kind: str, body: dict, cut: int, second_break: bool = False,
+                   details: dict | None = None) -> bytes:
+    """The client's bytes when the stream breaks after `cut` events and is continued (the
+    continuation itself breaking between its finish and [DONE] if `second_break`)."""
+    e = VLLMCodec()
+    st = StreamState(kind, body, codec=e)
+    ref = _fake_stream(kind, PROMPT, body)
+    got = b"".join(st.feed(ev) for ev in ref[:cut])
+    assert not st.finished
+    _, req = e.continuation_request(kind, body, st.prompt_ids, st.sent_ids)
+    st.begin_continuation()
+    cont = _fake_stream("completions", req["prompt"], req)
+    if details is not None:  # an engine reporting cached prompt tokens (of prompt + sent ids)
+        cont[-2] = cont[-2].replace(b'"completion_tokens"', b'"prompt_tokens_details":'
+                                    + json.dumps(details).encode() + b',"completion_tokens"')
+    for ev in cont[:-2] if second_break else cont:
+        got += st.feed(ev)
+    if second_break:
+        assert st.finished and not st.done
+        got += st.tail_after_finish()
+    return got
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+@pytest.mark.parametrize("second_break", [False, True])
+def test_continuous_usage_through_a_splice(kind, second_break):
+    """vLLM's per-chunk usage (continuous_usage_stats, as aiperf asks) after a splice counts
+    the whole request: the original prompt, every token sent so far; one final usage."""
+    body = _usage_body(kind, continuous=True)
+    want = _usages(b"".join(_fake_stream(kind, PROMPT, body)))
+    assert len(want) > 5 and all(u["prompt_tokens"] == len(PROMPT) for _, u in want)
+    for cut in (2, 4, 7):
+        got = _usages(_spliced_usage(kind, body, cut, second_break))
+        assert got == want, cut
+
+
+def test_usage_fields_beyond_the_counts_after_a_splice():
+    """The engine's other usage fields pass; cached prompt tokens of a continuation (counted
+    over prompt + sent ids) are never more than the original prompt."""
+    body = _usage_body("completions")
+    got = _usages(_spliced_usage("completions", body, 3, details={"cached_tokens": 25}))
+    assert [u for fin, u in got if fin] == [{
+        "prompt_tokens": len(PROMPT), "total_tokens": len(PROMPT) + 9, "completion_tokens": 9,
+        "prompt_tokens_details": {"cached_tokens": len(PROMPT)}}]
+    got = _usages(_spliced_usage("completions", body, 3, details={"cached_tokens": 4}))
+    assert got[-1][1]["prompt_tokens_details"] == {"cached_tokens": 4}
+
+
+def test_stream_flags_are_read_as_the_engine_reads_them():
+    from relocator.router.stream import lax_bool
+
+    assert [lax_bool(v) for v in (True, "true", "yes", 1, "on")] == [True] * 5
+    assert [lax_bool(v) for v in (False, "false", "no", 0, "off", None, [], {})] == [False] * 8
+    st = StreamState("completions", {"model": "m", "stream_options": {
+        "include_usage": "false", "continuous_usage_stats": True}})
+    assert not st.include_usage and not st.continuous_usage
+    st = StreamState("completions", {"model": "m", "stream_options": "junk"})
+    assert not st.include_usage
+
+
+def test_parse_body_refuses_the_types_the_router_would_crash_on():
+    """A 400 in OpenAI's shape for a wrong-typed field the router reads itself before an
+    engine validates it: stream_options (the stream state), and the integers a translated
+    first request (SGLang chat) converts (its text making and budget: int() would raise)."""
+    from adapters.vllm.outtext import TextParams
+    from relocator.router.core import parse_body
+
+    t = RoutingTable()
+    t.add("w", "m", "http://a")
+    with pytest.raises(ValueError):
+        TextParams.from_body({"min_tokens": "lots"})  # what the 400 keeps from happening
+    for field, raw in [("stream_options", b'"x"'), ("stream_options", b"true"),
+                       ("stream_options", b"[1]"), ("max_tokens", b'"lots"'),
+                       ("max_tokens", b"Infinity"), ("min_tokens", b"NaN"),
+                       ("max_completion_tokens", b"{}"), ("min_tokens", b"true"),
+                       ("max_tokens", b"2.5")]:
+        with pytest.raises(errors.RouterError) as ei:
+            parse_body(b'{"model": "m", "%s": %s}' % (field.encode(), raw), t)
+        e = ei.value
+        assert (e.status, e.param, e.code) == (400, field, "invalid_type"), (field, raw)
+        assert set(e.body()["error"]) == {"message", "type", "param", "code"}
+    for ok in (b'"stream_options": null', b'"stream_options": {}', b'"max_tokens": 5.0',
+               b'"max_tokens": -1', b'"min_tokens": null', b'"max_tokens": 100000000000000'):
+        assert parse_body(b'{"model": "m", %s}' % ok, t)["model"] == "m"  # the engine's to judge

@@ -614,7 +614,39 @@ def parse_body(raw: bytes, table: RoutingTable) -> dict:
                                  code="missing_model", param="model")
     if not table.has_model(model):
         raise errors.model_not_found(model)
+    check_types(body)
     return body
+
+
+#: fields the router itself uses before an engine has validated them (stream state, the
+#: translated first request's text making and budget): the wrong type would crash it. The
+#: rest is the engine's to validate.
+_INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens")
+
+
+def check_types(body: dict) -> None:
+    """A 400 for a field of the wrong type that the router reads itself."""
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise errors.bad_request(f"'stream_options' must be an object, not "
+                                 f"{_json_type(so)}.", code="invalid_type",
+                                 param="stream_options")
+    for k in _INT_FIELDS:
+        v = body.get(k)
+        if v is None or (isinstance(v, int) and not isinstance(v, bool)):
+            continue
+        if isinstance(v, float) and v.is_integer():
+            continue  # 5.0 is 5, as the engine reads it (inf and NaN are not integers)
+        raise errors.bad_request(f"'{k}' must be an integer, not {_json_type(v)}.",
+                                 code="invalid_type", param=k)
+
+
+def _json_type(v: object) -> str:
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return f"the number {v!r}"
+    return {dict: "an object", list: "an array", str: "a string"}.get(type(v), type(v).__name__)
 
 
 def _ids(reps: list[Replica]) -> set[str]:

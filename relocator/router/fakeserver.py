@@ -155,6 +155,20 @@ class FakeEngine:
         return web.json_response({"error": {"message": msg, "type": "BadRequestError",
                                             "param": None, "code": status}}, status=status)
 
+    def _inputs(self, kind: str, body: dict) -> tuple[list[int], int]:
+        if kind == "chat":
+            text = "".join(f"<{m.get('role')}>{m.get('content')}" for m in body["messages"])
+            prompt = list((text + "<assistant>").encode())
+        else:
+            p = body.get("prompt")
+            prompt = list(p) if isinstance(p, list) else list(str(p).encode())
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+                raise ValueError("prompt ids must be integers")
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or self.knobs.tokens
+        if not isinstance(max_tokens, int) or not 0 < max_tokens <= 1 << 16:
+            raise ValueError(f"max_tokens {max_tokens!r}")
+        return prompt, max_tokens
+
     async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
@@ -164,14 +178,11 @@ class FakeEngine:
             return self._err(st, "injected failure")
         if body.get("model") != self.model:
             return self._err(404, f"The model `{body.get('model')}` does not exist.")
-        if kind == "chat":
-            text = "".join(f"<{m.get('role')}>{m.get('content')}" for m in body["messages"])
-            prompt = list((text + "<assistant>").encode())
-        else:
-            p = body.get("prompt")
-            prompt = list(p) if isinstance(p, list) else list(str(p).encode())
-        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or k.tokens
-        out, pieces, finish, stop_reason = generate(prompt, body, max_tokens)
+        try:  # as a validating engine: bad input is a 400, never a 500 or an endless run
+            prompt, max_tokens = self._inputs(kind, body)
+            out, pieces, finish, stop_reason = generate(prompt, body, max_tokens)
+        except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as e:
+            return self._err(400, f"invalid request: {e}")
         text = "".join(pieces)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:16]
         created = int(time.time())
@@ -229,11 +240,21 @@ class FakeEngine:
         head = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else
                 "text_completion", "created": created, "model": self.model}
         evs = []
+        so = body.get("stream_options") or {}
+        include_usage = bool(so.get("include_usage"))
+        per_chunk = include_usage and bool(so.get("continuous_usage_stats"))
+
+        def usage(n: int) -> dict:
+            return {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + n,
+                    "completion_tokens": n}
+
         if kind == "chat":
             first = dict(head, choices=[{"index": 0, "delta": {"role": "assistant",
                                                                 "content": ""},
                                          "logprobs": None, "finish_reason": None}],
                          prompt_token_ids=prompt if want_ids else None)
+            if per_chunk:
+                first["usage"] = usage(0)
             evs.append(first)
         for i, t in enumerate(out):
             last = i == len(out) - 1
@@ -248,17 +269,19 @@ class FakeEngine:
                     c["stop_reason"] = stop_reason
                 c["token_ids"] = [t] if want_ids else None
                 evs.append(dict(head, choices=[c]))
+                if per_chunk:  # as vLLM's continuous_usage_stats: the whole request so far
+                    evs[-1]["usage"] = usage(i + 1)
             else:
                 c = {"index": 0, "text": piece, "logprobs": None, "finish_reason": fr,
                      "stop_reason": stop_reason if last else None,
                      "prompt_token_ids": prompt if (want_ids and i == 0) else None,
                      "token_ids": [t] if want_ids else None}
                 evs.append(dict(head, choices=[c]))
+                if per_chunk:
+                    evs[-1]["usage"] = usage(i + 1)
         lines = [f"data: {_dumps(e)}\n\n" for e in evs]
-        if (body.get("stream_options") or {}).get("include_usage"):
-            u = dict(head, choices=[], usage={"prompt_tokens": len(prompt),
-                                              "total_tokens": len(prompt) + len(out),
-                                              "completion_tokens": len(out)})
+        if include_usage:
+            u = dict(head, choices=[], usage=usage(len(out)))
             lines.append(f"data: {_dumps(u)}\n\n")
         lines.append("data: [DONE]\n\n")
         return lines

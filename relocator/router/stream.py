@@ -22,6 +22,14 @@ from typing import Any
 from adapters.codec import ContinuationCodec, Delta, Kind, chat_logprobs, dumps, parse_ids
 
 DONE = b"data: [DONE]\n\n"
+_DECODER = json.JSONDecoder()
+
+
+def lax_bool(v: Any) -> bool:
+    """A flag as vLLM's pydantic reads it (lax mode: "false", 0 and "off" are False)."""
+    if isinstance(v, str):
+        return v.strip().lower() in ("1", "true", "t", "yes", "y", "on")
+    return bool(v) if isinstance(v, (bool, int, float)) else False
 
 
 class StreamState:
@@ -45,9 +53,13 @@ class StreamState:
         self.finished = False  # a finish_reason was forwarded
         self.done = False  # [DONE] forwarded
         self.legs = 0
-        so = body.get("stream_options") or {}
-        self.include_usage = bool(so.get("include_usage"))
-        self.continuous_usage = bool(so.get("continuous_usage_stats"))
+        so = body.get("stream_options")
+        so = so if isinstance(so, dict) else {}  # the core refuses a non-object (400)
+        self.include_usage = lax_bool(so.get("include_usage"))
+        # as vLLM: per-chunk usage only together with include_usage
+        self.continuous_usage = self.include_usage and lax_bool(so.get("continuous_usage_stats"))
+        #: the last usage an engine sent (any leg): counts before a splice, extra fields
+        self.last_usage: dict | None = None
         #: completions logprobs: text offsets of a continued leg are shifted by what came before
         self.track_offsets = False
         self.next_text_offset = 0
@@ -138,6 +150,8 @@ class StreamState:
                 self._record_offsets(data)
             if self.strip:
                 data = self.engine.strip(data)
+        if b'"usage":{' in data:
+            self._note_usage(data)
         if b'"finish_reason":"' in data:
             self.finished = True
         if data.endswith(DONE):
@@ -162,6 +176,28 @@ class StreamState:
                 if offs and toks:
                     self.next_text_offset = offs[-1] + len(toks[-1])
 
+    def _note_usage(self, data: bytes) -> None:
+        """The engine's usage passing through (normal path): the final usage chunk counts as
+        sent (no second one may follow); its counts are the fallback where the router saw no
+        ids. An engine that sends usage unasked (vLLM --enable-force-include-usage) keeps
+        sending it after a splice."""
+        for ev in data.split(b"\n\n"):
+            text = ev.decode(errors="replace")
+            at = text.find('"usage":{')
+            if at < 0:
+                continue
+            try:
+                u, _ = _DECODER.raw_decode(text, at + len('"usage":'))
+            except ValueError:
+                continue
+            if isinstance(u, dict):
+                self.last_usage = u
+                self.include_usage = True
+                if b'"choices":[]' in ev:
+                    self.usage_sent = True
+                else:
+                    self.continuous_usage = True
+
     def restart(self) -> None:
         """The upstream broke before anything reached the client: the request is sent again
         from the start, so nothing of the broken attempt (a partial event) may remain."""
@@ -170,6 +206,8 @@ class StreamState:
         self.prompt_raw = None
         self.out_raw = []
         self.next_text_offset = 0
+        self.last_usage = None
+        self.usage_sent = False
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -268,7 +306,7 @@ class StreamState:
                 out.append(b"data: " + dumps(d.error) + b"\n\n")
                 continue
             if d.usage_only:
-                if self.include_usage:
+                if self.include_usage and not self.usage_sent:
                     out.append(self._usage_event(d.usage))
                 continue
             out.append(self._on_delta(d))
@@ -331,16 +369,50 @@ class StreamState:
             self.next_text_offset = lp["text_offset"][-1] + len(toks[-1])
         return lp
 
-    def _usage(self, upstream: dict | None) -> dict:
-        comp = self.emitted_ids
-        return {"prompt_tokens": self.prompt_len, "total_tokens": self.prompt_len + comp,
-                "completion_tokens": comp}
+    def _usage_counts(self) -> tuple[int, int] | None:
+        """(prompt, completion) tokens of the whole request so far, as a run that never moved
+        counts them: after a splice the router's own count (original prompt, every token
+        sent); before, the ids the stream carried, else the engine's last usage. None:
+        unknown (no ids and no usage seen)."""
+        if self.cont:
+            return self.prompt_len, self.emitted_ids
+        u = self.last_usage or {}
+        ids = self.prompt_ids
+        prompt = len(ids) if ids is not None else u.get("prompt_tokens")
+        comp = len(self.sent_ids) if self.track else u.get("completion_tokens")
+        if isinstance(prompt, int) and isinstance(comp, int):
+            return prompt, comp
+        return None
+
+    def _usage(self, upstream: dict | None) -> dict | None:
+        counts = self._usage_counts()
+        if counts is None:
+            return None
+        p, c = counts
+        usage: dict[str, Any] = {"prompt_tokens": p, "total_tokens": p + c,
+                                 "completion_tokens": c}
+        # the engine's other fields are kept; a continuation's cached prompt tokens are
+        # counted over prompt + sent ids: at most the original prompt's are cached for it
+        for k, v in (upstream if upstream is not None else self.last_usage or {}).items():
+            if k in usage:
+                continue
+            if k == "prompt_tokens_details" and isinstance(v, dict) and \
+                    isinstance(v.get("cached_tokens"), int):
+                v = dict(v, cached_tokens=min(v["cached_tokens"], p))
+            usage[k] = v
+        return usage
 
     def _usage_event(self, upstream: dict | None) -> bytes:
+        """The final usage chunk; nothing when the counts are unknown (no invented zeros)."""
+        if upstream is not None:
+            self.last_usage = upstream
+        usage = self._usage(upstream)
+        if usage is None:
+            return b""
         self.usage_sent = True
         obj = dict(self.tmpl)
         obj["choices"] = []
-        obj["usage"] = self._usage(upstream)
+        obj["usage"] = usage
         return b"data: " + dumps(obj) + b"\n\n"
 
     def _chunk(self, text: str, ids: list[int], finish: str | None, stop_reason: Any,
@@ -362,5 +434,6 @@ class StreamState:
                       "stop_reason": stop_reason, "prompt_token_ids": None, "token_ids": tid}
         obj["choices"] = [choice]
         if usage is not None and self.continuous_usage:
+            self.last_usage = usage
             obj["usage"] = self._usage(usage)
         return b"data: " + dumps(obj) + b"\n\n"
