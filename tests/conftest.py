@@ -15,6 +15,24 @@ from relocator.local_worker import LocalWorker, free_port, start_local_worker
 MODEL_NAME = "tiny-llama"
 
 
+def _node_credentials() -> None:
+    """This test process is a node of a throw-away cluster (relocator.credentials): by-hand
+    dumps, restores and transfers need an image key and TLS certificates, as an agent has."""
+    import atexit
+    import tempfile
+
+    from relocator import credentials
+
+    if os.environ.get(credentials.ENV_DIR):
+        return
+    d = tempfile.mkdtemp(prefix="relocator-test-credentials-")
+    atexit.register(shutil.rmtree, d, True)
+    credentials.install(credentials.for_node(credentials.make_cluster("test"), "test"), d)
+
+
+_node_credentials()
+
+
 def _have_vllm() -> bool:
     try:
         import vllm  # noqa: F401

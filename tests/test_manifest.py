@@ -107,13 +107,58 @@ def test_not_an_image(tmp_path: Path) -> None:
         read_manifest(tmp_path)
 
 
-def test_hmac_key_changes_digest(image: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RELOCATOR_IMAGE_KEY", "secret")
+def _other_cluster(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process becomes a node of another cluster (its own credentials directory)."""
+    from relocator import credentials
+
+    d = credentials.install(credentials.for_node(credentials.make_cluster("other"), "x"), tmp / "other-creds",
+                            export=False)
+    monkeypatch.setenv(credentials.ENV_DIR, str(d))
+
+
+def test_manifest_signed_with_another_clusters_key_is_refused(image: Path, tmp_path_factory,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    m = read_manifest(image)  # signed with this cluster's key
+    ours = m.digest
+    _other_cluster(tmp_path_factory.mktemp("other"), monkeypatch)
+    with pytest.raises(ImageError, match="digest does not match"):
+        read_manifest(image)
+    write_manifest(image, m)  # re-signed by the other cluster: readable there only
+    assert read_manifest(image).digest != ours
+
+
+def test_a_node_without_the_image_key_is_told_what_is_missing(image: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from relocator import credentials
+
+    monkeypatch.delenv(credentials.ENV_DIR, raising=False)
+    monkeypatch.delenv(credentials.ENV_KEY, raising=False)
+    with pytest.raises(credentials.CredentialsError, match="no image key.*relocator up"):
+        read_manifest(image)  # never a plain sha256 that anyone could recompute
+    monkeypatch.setenv(credentials.ENV_KEY, "by-hand key")  # the documented by-hand way
     with pytest.raises(ImageError, match="digest"):
-        read_manifest(image)  # written without the key
-    m = Manifest.model_validate_json((image / "manifest.json").read_text())
-    write_manifest(image, m)
-    assert read_manifest(image).digest == m.digest
+        read_manifest(image)  # ... which is another key than the cluster's
+
+
+def test_altered_page_file_with_a_rewritten_stamp_is_refused_at_restore(image: Path) -> None:
+    from relocator.snapshot.manifest import STAMP, _boot_id, _file_stats
+    from relocator.snapshot.snapshot import RestoreTarget, restore
+
+    m = read_manifest(image)
+    verify_files(image, m)  # a genuine stamp: restore with verify=auto would skip hashing
+    pages = image / "pages-1.img"
+    data = bytearray(pages.read_bytes())
+    data[77] ^= 0x5A
+    pages.write_bytes(bytes(data))
+    # the attacker rewrites the stamp to describe the altered file (without the cluster's key)
+    forged = {"digest": m.digest, "boot_id": _boot_id(), "stats": _file_stats(image, sorted(m.files)),
+              "mac": "0" * 64}
+    (image / STAMP).write_text(json.dumps(forged))
+    assert not stamp_is_fresh(image, m)
+    del forged["mac"]  # the stamp as it was before it was authenticated
+    (image / STAMP).write_text(json.dumps(forged))
+    assert not stamp_is_fresh(image, m)
+    with pytest.raises(ImageError, match="pages-1.img is corrupt"):
+        restore(image, RestoreTarget(verify="auto"))  # hashed in full, refused before CRIU runs
 
 
 def test_stamp_is_fresh_until_any_file_changes(image: Path) -> None:

@@ -27,9 +27,14 @@ def agent_name(node: str) -> str:
 
 
 class NodeAgent(TransferOps):
-    def __init__(self, node: str, state_dir: str, images_dir: str) -> None:
+    def __init__(self, node: str, state_dir: str, images_dir: str,
+                 credentials: dict[str, str] | None = None) -> None:
         # One agent per process: the cell registry follows RELOCATOR_STATE_DIR.
         os.environ["RELOCATOR_STATE_DIR"] = state_dir
+        if credentials:  # beside the state dir, 0600; CRIU, keeper and pump find them by env
+            from relocator.credentials import install
+
+            install(credentials, Path(state_dir).parent / "credentials")
         self.node = node
         self.state_dir = Path(state_dir)
         self.images_dir = Path(images_dir)
@@ -424,8 +429,10 @@ def _image_size_hint(cell) -> int | None:
     return total or None
 
 
-def start_agent(node: str, ray_node_id: str, state_dir: str, images_dir: str):
-    """The agent actor of `node`, created (pinned to its Ray node) or found by name."""
+def start_agent(node: str, ray_node_id: str, state_dir: str, images_dir: str,
+                credentials: dict[str, str] | None = None):
+    """The agent actor of `node`, created (pinned to its Ray node) or found by name;
+    `credentials`: its bundle (relocator.credentials.for_node), written on its node."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -435,4 +442,4 @@ def start_agent(node: str, ray_node_id: str, state_dir: str, images_dir: str):
         max_restarts=-1, max_concurrency=16, num_cpus=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_id, soft=False),
         runtime_env={"env_vars": {"RELOCATOR_STATE_DIR": state_dir}},
-    ).remote(node, state_dir, images_dir)
+    ).remote(node, state_dir, images_dir, credentials)

@@ -106,9 +106,13 @@ def main(base: Path) -> int:
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         signal.signal(signal.SIGINT, lambda *_: stop.set())
         routers.install_signal()
+        from relocator import credentials
+
+        creds = credentials.for_nodes(credentials.load_cluster(base / "credentials"),
+                                      [node_name(i) for i in range(c.nodes)])
         ctl = start_controller({
             "base_dir": str(base), "router_url": router_url, "router_control_url": control_url,
-            "router_token": cfg.router.control_token, **cfg.controller.model_dump()})
+            "router_token": cfg.router.control_token, "credentials": creds, **cfg.controller.model_dump()})
         ray.get(ctl.ping.remote(), timeout=120)
         ray_pids = [p.process.pid for n in cluster.list_all_nodes() for procs in n.all_processes.values()
                     for p in procs if p.process is not None]

@@ -92,6 +92,9 @@ def up(config: LocalConfig | None = None, timeout: float = 120.0) -> dict[str, A
     for stale in base.glob("controller.db*"):  # a new cluster starts with an empty inventory
         stale.unlink()
     (base / "config.json").write_text(config.model_dump_json(indent=2))
+    from relocator import credentials
+
+    credentials.save_cluster(base / "credentials", credentials.make_cluster())  # a new cluster: new keys
     log = open(base / "daemon.log", "ab")
     env = {**os.environ, **RAY_ENV, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "relocator.cluster.daemon", str(base)], cwd=REPO, env=env,

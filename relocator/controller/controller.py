@@ -124,7 +124,8 @@ class Controller:
         for name, info in nodes.items():
             if info.alive:
                 self.agents[name] = start_agent(name, info.ray_node_id, str(self.node_dir(name) / "state"),
-                                                str(self.node_dir(name) / "images"))
+                                                str(self.node_dir(name) / "images"),
+                                                (self.config.get("credentials") or {}).get(name))
         for w in self.store.workers():  # a launch the previous controller did not finish
             if w.state == "starting" and w.id not in self._busy:
                 self._abandon_launch(w)

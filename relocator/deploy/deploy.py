@@ -144,6 +144,7 @@ def deploy(address: str, config: DeployConfig | str | Path | None = None) -> dic
     cfg = config if isinstance(config, DeployConfig) else DeployConfig.load(config)
     t0 = time.monotonic()
     init_ray(address)
+    from relocator import credentials
     from relocator.controller.controller import CONTROLLER_NAME, start_controller
     from relocator.deploy import hosts
     from relocator.deploy.routeractor import ROUTER_ACTOR, start_router
@@ -198,7 +199,10 @@ def deploy(address: str, config: DeployConfig | str | Path | None = None) -> dic
         ctl = start_controller({"base_dir": base, "router_url": rinfo["router_url"],
                                 "router_control_url": rinfo["router_control_url"],
                                 "router_token": cfg.router.control_token,
-                                "node_names": {n["NodeID"]: name for name, n in by_name.items()}, **ctl_cfg},
+                                "node_names": {n["NodeID"]: name for name, n in by_name.items()},
+                                # every agent's TLS certificate and the image key (relocator.credentials)
+                                "credentials": credentials.for_nodes(credentials.make_cluster(), sorted(by_name)),
+                                **ctl_cfg},
                                ray_node_id=ctl_node["NodeID"] if cfg.controller.node else None)
         ray.get(ctl.ping.remote(), timeout=300)
         agents = {}

@@ -62,8 +62,8 @@ class Manifest(BaseModel):
     cell: CellInfo
     timings: dict[str, float] = Field(default_factory=dict)
     pages: PagesMode = PagesMode.LOCAL
-    # sha256 (HMAC-SHA256 with RELOCATOR_IMAGE_KEY when set) of everything above: a manifest
-    # edited by hand no longer matches it.
+    # HMAC-SHA256 with the cluster's image key (relocator.credentials.image_key) of everything
+    # above: a manifest edited by hand, or signed by another cluster, no longer matches it.
     digest: str = ""
 
     def compute_digest(self) -> str:
@@ -71,14 +71,23 @@ class Manifest(BaseModel):
         # keep their digest
         exclude = {"digest"} | ({"pages"} if self.pages == PagesMode.LOCAL else set())
         body = json.dumps(self.model_dump(exclude=exclude), sort_keys=True, separators=(",", ":")).encode()
-        key = os.environ.get("RELOCATOR_IMAGE_KEY")
-        if key:
-            return hmac.new(key.encode(), body, hashlib.sha256).hexdigest()
-        return hashlib.sha256(body).hexdigest()
+        return _mac(body)
 
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files.values())
+
+
+def _mac(body: bytes) -> str:
+    """HMAC-SHA256 of `body` with the cluster's image key (CredentialsError without one: there
+    is no unkeyed digest that anyone could recompute)."""
+    from relocator.credentials import image_key
+
+    return hmac.new(image_key(), body, hashlib.sha256).hexdigest()
+
+
+def _stamp_mac(stamp: dict) -> str:
+    return _mac(json.dumps({k: stamp[k] for k in ("digest", "boot_id", "stats")}, sort_keys=True).encode())
 
 
 def _sha256(path: Path) -> str:
@@ -157,6 +166,7 @@ def write_stamp(image_dir: Path, manifest: Manifest) -> None:
     """Record that the files on disk were hashed and match `manifest` (this boot, this host)."""
     stamp = {"digest": manifest.digest, "boot_id": _boot_id(),
              "stats": _file_stats(image_dir, sorted(manifest.files))}
+    stamp["mac"] = _stamp_mac(stamp)  # a stamp rewritten without the key does not count
     tmp = image_dir / (STAMP + ".tmp")
     tmp.write_text(json.dumps(stamp))
     os.replace(tmp, image_dir / STAMP)
@@ -166,7 +176,8 @@ def stamp_is_fresh(image_dir: Path, manifest: Manifest) -> bool:
     """True when this host hashed exactly these files, unchanged since, against this manifest."""
     try:
         stamp = json.loads((image_dir / STAMP).read_text())
-        return (stamp["digest"] == manifest.digest and stamp["boot_id"] == _boot_id()
+        return (hmac.compare_digest(str(stamp["mac"]), _stamp_mac(stamp))
+                and stamp["digest"] == manifest.digest and stamp["boot_id"] == _boot_id()
                 and stamp["stats"] == _file_stats(image_dir, sorted(manifest.files)))
     except (OSError, ValueError, KeyError, TypeError):
         return False

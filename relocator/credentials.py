@@ -1,0 +1,235 @@
+"""A cluster's credentials: a CA, one certificate per node agent, and the image key.
+
+`relocator up` and `relocator deploy` make the cluster's (`make_cluster`) and one bundle per node
+(`for_nodes`); the controller hands each agent its own as it starts it, the agent writes it into its
+node directory (`install`, 0600) and points RELOCATOR_CREDENTIALS there, so that everything it
+starts (CRIU, the post-copy keeper and pump) finds them. Transfers are TLS with mutual X.509
+authentication against the cluster's CA (`criu_tls_args`, `server_context`, `client_context`);
+the image key authenticates manifests and verification stamps (relocator.snapshot.manifest).
+
+This module must import with the standard library only: the keeper and the pump run under
+`python -S` (`cryptography` is imported by the functions that make keys, run by up/deploy).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import ssl
+from pathlib import Path
+from typing import Any
+
+ENV_DIR = "RELOCATOR_CREDENTIALS"  # a node's credentials directory (what `install` wrote)
+ENV_KEY = "RELOCATOR_IMAGE_KEY"  # by-hand commands: the image key itself, instead of a directory
+ENV_INSECURE = "RELOCATOR_INSECURE_TRANSFERS"  # by-hand commands only: "1" = plaintext transfers
+CA, CERT, KEY, IMAGE_KEY = "ca.pem", "node.pem", "node.key", "image.key"
+CLUSTER_FILE = "cluster-credentials.json"  # `up`: the cluster's CA key and image key, 0600
+FIX = ("run it under `relocator up` or `relocator deploy` (they give every agent its credentials), or "
+       f"for a by-hand command point {ENV_DIR} at a node's credentials directory")
+
+
+class CredentialsError(RuntimeError):
+    """A node lacks (part of) its cluster credentials."""
+
+
+# -- making them (up, deploy, the controller) -------------------------------------------------
+def _name(cn: str):
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "relocator"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _pem_key(key) -> str:
+    from cryptography.hazmat.primitives import serialization
+
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption()).decode()
+
+
+def _cert(subject: str, issuer, public_key, signing_key, ca: bool) -> str:
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    b = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer)
+         .public_key(public_key).serial_number(x509.random_serial_number())
+         # a day back: the hosts' clocks need not agree to the second
+         .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=3650))
+         .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True))
+    if ca:
+        b = b.add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                          content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                          key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+    else:  # every transfer endpoint is a server one time and a client another
+        from cryptography.x509.oid import ExtendedKeyUsageOID
+
+        b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                            critical=False)
+    return b.sign(signing_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM).decode()
+
+
+def make_cluster(name: str = "relocator") -> dict[str, str]:
+    """A new cluster's CA (ECDSA P-256: GnuTLS, as CRIU links it, and OpenSSL both take it) and
+    a random 256-bit image key: {ca_cert, ca_key, image_key (hex)}."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    cn = f"{name} cluster CA {secrets.token_hex(4)}"
+    return {"ca_cert": _cert(cn, _name(cn), key.public_key(), key, ca=True), "ca_key": _pem_key(key),
+            "image_key": secrets.token_hex(32)}
+
+
+def for_node(cluster: dict[str, str] | None, node: str) -> dict[str, str] | None:
+    """What one node's agent gets: the CA's certificate (not its key), a certificate and key of
+    its own signed by the CA, and the image key. None without cluster credentials."""
+    if not cluster:
+        return None
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    ca_key = serialization.load_pem_private_key(cluster["ca_key"].encode(), password=None)
+    issuer = x509.load_pem_x509_certificate(cluster["ca_cert"].encode()).subject
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = _cert(f"relocator node {node}", issuer, key.public_key(), ca_key, ca=False)
+    return {"ca_cert": cluster["ca_cert"], "cert": cert,
+            "key": _pem_key(key), "image_key": cluster["image_key"]}
+
+
+def for_nodes(cluster: dict[str, str], nodes: list[str]) -> dict[str, dict[str, str]]:
+    """Every node's bundle, made where the CA key is (up, deploy): the CA key itself never goes
+    to the controller or the agents."""
+    return {name: for_node(cluster, name) for name in nodes}  # type: ignore[misc]
+
+
+def _write_private(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+def save_cluster(directory: str | Path, cluster: dict[str, str]) -> Path:
+    """`up`: keep the cluster's credentials in its private directory (0700, the file 0600)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    os.chmod(d, 0o700)
+    _write_private(d / CLUSTER_FILE, json.dumps(cluster))
+    return d / CLUSTER_FILE
+
+
+def load_cluster(directory: str | Path) -> dict[str, str]:
+    path = Path(directory) / CLUSTER_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CredentialsError(f"the cluster's credentials are missing or unreadable ({path}: {exc}); "
+                               "`relocator down` and `relocator up` make new ones") from None
+
+
+def install(bundle: dict[str, str], directory: str | Path, export: bool = True) -> Path:
+    """An agent's side: write its bundle (for_node) into `directory` (0700; files 0600) and,
+    with `export`, point RELOCATOR_CREDENTIALS there for this process and its children."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    os.chmod(d, 0o700)
+    for name, field in ((CA, "ca_cert"), (CERT, "cert"), (KEY, "key"), (IMAGE_KEY, "image_key")):
+        _write_private(d / name, bundle[field])
+    if export:
+        os.environ[ENV_DIR] = str(d)
+    return d
+
+
+# -- using them (agents, CRIU, keeper, pump, manifests) ----------------------------------------
+def _dir() -> Path | None:
+    raw = os.environ.get(ENV_DIR)
+    return Path(raw) if raw else None
+
+
+def image_key() -> bytes:
+    """The cluster's image key (HMAC of manifests and stamps); CredentialsError without one."""
+    d = _dir()
+    if d is not None:
+        try:
+            key = (d / IMAGE_KEY).read_text().strip()
+        except OSError as exc:
+            raise CredentialsError(f"this node has no image key: {d / IMAGE_KEY} unreadable ({exc}); {FIX}") from None
+        if key:
+            return key.encode()
+    key = os.environ.get(ENV_KEY, "")
+    if key:
+        return key.encode()
+    raise CredentialsError(f"this node has no image key (neither {ENV_DIR} nor {ENV_KEY} is set): images cannot be "
+                           f"signed or checked; {FIX}, or set {ENV_KEY}")
+
+
+def insecure() -> bool:
+    """The by-hand opt-out: RELOCATOR_INSECURE_TRANSFERS=1 and no credentials directory."""
+    return os.environ.get(ENV_INSECURE) == "1" and _dir() is None
+
+
+def tls_files() -> tuple[str, str, str] | None:
+    """(CA, certificate, key) paths of this node; None only under the by-hand opt-out;
+    CredentialsError naming what is missing otherwise (never a silent plaintext transfer)."""
+    d = _dir()
+    if d is None:
+        if insecure():
+            return None
+        raise CredentialsError(f"this node has no transfer credentials ({ENV_DIR} is not set): transfers are "
+                               f"TLS with the cluster's certificates; {FIX} (or, by hand only, {ENV_INSECURE}=1)")
+    paths = [d / CA, d / CERT, d / KEY]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise CredentialsError(f"this node's transfer credentials are incomplete: missing {', '.join(missing)}; {FIX}")
+    return str(paths[0]), str(paths[1]), str(paths[2])
+
+
+def criu_tls_args() -> list[str]:
+    """CRIU's TLS options for a page server, dump or lazy-pages daemon that talks to another
+    node. CRIU (criu/tls.c) requires and verifies the peer's certificate against --tls-cacert on
+    both sides; --tls-no-cn-verify because a peer is a member of the cluster (signed by its CA),
+    not a host name (CRIU would match the server's own listen address against the client)."""
+    files = tls_files()
+    if files is None:
+        return []
+    ca, cert, key = files
+    return ["--tls", "--tls-cacert", ca, "--tls-cert", cert, "--tls-key", key, "--tls-no-cn-verify"]
+
+
+def _context(server: bool) -> ssl.SSLContext | None:
+    files = tls_files()
+    if files is None:
+        return None
+    ca, cert, key = files
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.check_hostname = False  # a peer is whoever the cluster's CA signed (see criu_tls_args)
+    ctx.verify_mode = ssl.CERT_REQUIRED  # on a server: a client without a cluster certificate fails
+    ctx.load_verify_locations(ca)
+    ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+def server_context() -> ssl.SSLContext | None:
+    """TLS for a transfer listener (the pump): mutual, the cluster's CA; None: opted out."""
+    return _context(server=True)
+
+
+def client_context() -> ssl.SSLContext | None:
+    """TLS for a connection to another node's transfer listener (the keeper); None: opted out."""
+    return _context(server=False)
+
+
+def describe(directory: str | Path | None = None) -> dict[str, Any]:
+    """What a node has (no secrets): for preflight and errors."""
+    d = Path(directory) if directory else _dir()
+    if d is None:
+        return {"dir": None, "files": []}
+    return {"dir": str(d), "files": sorted(p.name for p in d.iterdir()) if d.is_dir() else []}
