@@ -278,3 +278,26 @@ def test_a_failed_suspend_backs_off_and_is_reported(tmp_path: Path) -> None:
     c.suspend("w1", reason="time_limit")
     w = c.store.worker("w1")
     assert (w.state, w.suspend_failures, w.suspend_retry_at, w.suspend_error) == ("suspended", 0, None, "")
+
+
+def test_a_drain_with_a_deadline_sets_aside_workers_past_their_limit_first(tmp_path: Path) -> None:
+    """Room for one of n1's two workers elsewhere: the one within its limit moves, the one past
+    it is suspended (whatever order the store lists them in)."""
+    import time
+
+    from relocator.controller.model import DONE, Relocation
+
+    c = _fake_controller(tmp_path, {"n1": (4, 2), "n2": (4, 1)},
+                         [_worker("a", "n1", 1, time_limit_s=5, deadline=time.time() - 1), _worker("b", "n1", 1),
+                          _worker("c", "n2", 3)])
+
+    def relocate(wid, to=None, transfer=None, wait=True):
+        rel = Relocation(id=f"r-{wid}", worker=wid, src="n1", dst=to, result=DONE)
+        c.store.save_relocation(rel)
+        return rel.summary()
+
+    c.relocate = relocate
+    c.suspend = lambda wid, reason="operator", by=None: {"worker": wid, "reason": str(reason)}
+    out = c.drain("n1", by="60s")
+    assert [(r["worker"], r["to"]) for r in out["relocations"]] == [("b", "n2")], out
+    assert out["suspended"] == [{"worker": "a", "reason": "drain"}], out

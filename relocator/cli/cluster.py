@@ -170,8 +170,9 @@ def launch_cmd(model: str = typer.Option("tiny-llama", "--model", "-m", help="ti
                engine: Engine = typer.Option(Engine(DEFAULT_ENGINE), "--engine", help="the serving engine"),
                priority: int = typer.Option(0, "--priority", help="a launch that cannot fit even with moves "
                                             "suspends the fewest workers of lower priority"),
-               time_limit: Optional[str] = typer.Option(None, "--time-limit", callback=_duration, help="suspend and requeue it after "
-                                                        "running this long: 90, 90s, 15m, 2h, 1d"),
+               time_limit: Optional[str] = typer.Option(None, "--time-limit", callback=_duration, help="after running this long it is "
+                                                        "preemptible: suspended and requeued only when a waiting "
+                                                        "demand or a drain needs its GPUs: 90, 90s, 15m, 2h, 1d"),
                make_room: bool = typer.Option(True, "--make-room/--no-make-room", help="make room with live moves "
                                               "when no node has the GPUs free (--no-make-room: fail instead)"),
                dry_run: bool = typer.Option(False, "--dry-run", help="print the plan, change nothing"),

@@ -59,7 +59,8 @@ class ControllerClient:
         lower-priority workers) when no node has `gpus` free GPUs. Returns the worker, or
         {"id", "state": "pending", "demand"} when it must wait (the controller starts it when
         capacity returns), or {"dry_run": True, "plan"} with `dry_run`. `make_room=False`: a
-        stock scheduler (RuntimeError when nothing fits). `time_limit`: 90, "90s", "15m", "2h"."""
+        stock scheduler (RuntimeError when nothing fits). `time_limit`: 90, "90s", "15m", "2h";
+        past it the worker is preemptible (suspended only when a demand or a drain needs its GPUs)."""
         return self._call("launch", model, gpus, node, worker_id, engine, priority, time_limit, make_room,
                           dry_run, faults)
 
