@@ -33,6 +33,7 @@ from typing import Any, Iterable, Sequence
 import aiohttp
 
 from relocator.cluster.streams import compare_ids, text_diff
+from relocator.router.auth import client_headers
 
 _WORDS = ("the quick brown fox jumps over a lazy dog while seven tall ships sail past "
           "green hills under silver clouds and every small river runs toward the sea").split()
@@ -461,7 +462,8 @@ async def run_load(cfg: LoadConfig, stop: asyncio.Event | None = None,
     results: list[RequestResult] = []
     counter = 0
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
-    async with aiohttp.ClientSession(connector=conn) as session:
+    # RELOCATOR_API_KEY unless cfg.api_key (sent per request) says otherwise
+    async with aiohttp.ClientSession(connector=conn, headers=client_headers()) as session:
         model = await _resolve_model(session, cfg)
         started_at = time.time()
         t0 = time.perf_counter()

@@ -105,9 +105,11 @@ def _chat_fraction(engine: str | None) -> float:
 
 
 def _post_ok(url: str, timeout: float = 5.0) -> bool:
+    from relocator.router.auth import client_headers
+
     body = json.dumps({"model": MODEL, "prompt": "probe", "max_tokens": 1, "temperature": 0}).encode()
     req = urllib.request.Request(url.rstrip("/") + "/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **client_headers()})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status == 200 and b"choices" in r.read()

@@ -21,7 +21,7 @@ def print_json(obj: Any) -> None:
 
 
 def fail(message: str, code: int = 1) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)  # one line, for logs
     raise typer.Exit(code)
 
 

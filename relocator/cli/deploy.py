@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich.table import Table
@@ -32,12 +32,18 @@ def deploy_cmd(address: str = ADDRESS,
                cluster_dir: Optional[str] = typer.Option(None, "--cluster-dir", help="also describe the deployment "
                                                          "there (cluster.json), so that `relocator status|launch|"
                                                          "relocate ... --cluster-dir DIR` reach it"),
+               api_key: List[str] = typer.Option([], "--api-key", help="a key clients must send the router "
+                                                 "(Authorization: Bearer KEY), repeatable; also router.api_keys, "
+                                                 "RELOCATOR_API_KEY"),
+               insecure: bool = typer.Option(False, "--insecure", help="deploy on a Ray cluster without token "
+                                             "authentication and serve the router beyond loopback without a key"),
                json_out: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Start the controller, one agent per node with the `relocator` resource, and the router on a
     Ray cluster that already runs; the preflight runs on every host first (docs/deploy.md)."""
     from relocator.deploy import DeployConfig, DeployError, deploy
 
-    cfg = DeployConfig.load(config)
+    cfg = DeployConfig.load(config, insecure=insecure or None)
+    cfg.router.api_keys = [*cfg.router.api_keys, *api_key]
     try:
         out = deploy(address, cfg)
     except DeployError as exc:

@@ -41,7 +41,8 @@ def load(
     png: Optional[Path] = typer.Option(None, help="timeline PNG here"),
     phases: Optional[Path] = typer.Option(
         None, help="JSON list of [name, start, end] (seconds since start, or Unix times)"),
-    api_key: Optional[str] = typer.Option(None, envvar="OPENAI_API_KEY", help="bearer token"),
+    api_key: Optional[str] = typer.Option(None, envvar=["RELOCATOR_API_KEY", "OPENAI_API_KEY"],
+                                           help="bearer token"),
     timeout: float = typer.Option(300.0, help="per-request timeout, seconds"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object (summary)"),
 ) -> None:

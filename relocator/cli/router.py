@@ -30,6 +30,11 @@ def serve(
                                      "listening socket (overrides host/port)"),
     state_file: Optional[str] = typer.Option(None, help="persist the routing table here and "
                                              "load it at start"),
+    api_key: List[str] = typer.Option([], "--api-key", help="a key clients must send "
+                                      "(Authorization: Bearer KEY), repeatable; also "
+                                      "RELOCATOR_API_KEY"),
+    insecure: bool = typer.Option(False, "--insecure", help="allow a non-loopback --host "
+                                  "without any API key"),
     log_level: LogLevel = typer.Option(LogLevel.WARNING, help="Python log level"),
 ) -> None:
     """Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics and the
@@ -38,7 +43,8 @@ def serve(
     from relocator.router.server import run
 
     settings = RouterSettings.load(config, host=host, port=port, policy=policy, listen_fd=fd,
-                                   state_file=state_file)
+                                   state_file=state_file, api_keys=api_key or None,
+                                   insecure=insecure or None)
     if backend:
         settings.backends = settings.backends + [parse_backend(b) for b in backend]
     run(settings, log_level)

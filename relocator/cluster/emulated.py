@@ -44,12 +44,14 @@ def _cli(args: list[str], log: Path, timeout: float) -> dict[str, Any]:
 
 def deploy_config(config: LocalConfig) -> dict[str, Any]:
     """The deploy configuration of an emulated cluster: the local config's controller and router
-    settings, fake GPUs allowed, and `stream` where the local default would be `shared` (the
-    hosts share no filesystem; deploy refuses `shared` there)."""
+    settings, fake GPUs allowed, Ray without tokens accepted, and `stream` where the local
+    default would be `shared` (the hosts share no filesystem; deploy refuses `shared` there)."""
     ctl = config.controller.model_dump(mode="json")
     if ctl["transfer"] == TransferMode.SHARED.value:
         ctl["transfer"] = TransferMode.STREAM.value
-    return {"nodes": {"fake_gpus": True},
+    # insecure: the emulated hosts' Ray has no token authentication (docs/deploy.md) and their
+    # router serves this machine's private bridge only, to our own tools, with no key
+    return {"nodes": {"fake_gpus": True}, "insecure": True,
             "controller": ctl,
             "router": {"port": config.router.port, "control_port": config.router.control_port,
                        "control_token": config.router.control_token}}

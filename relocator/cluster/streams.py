@@ -18,6 +18,8 @@ from typing import Any, Sequence
 
 import aiohttp
 
+from relocator.router.auth import client_headers  # RELOCATOR_API_KEY, for a keyed router
+
 PROMPTS = [
     "the cluster node", "a worker moves to a new", "red river mountain light and",
     "once upon a time the", "seven quiet servers in a", "move the running job without",
@@ -92,7 +94,7 @@ Reference = dict[int, RequestResult]
 async def reference(url: str, model: str, max_tokens: int, n_prompts: int, concurrency: int = 8) -> Reference:
     """Each prompt once, streamed with the same parameters as the load, no relocation."""
     sem = asyncio.Semaphore(concurrency)
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(headers=client_headers()) as s:
         async def one(i: int) -> RequestResult:
             async with sem:
                 return await stream_once(s, url, model, PROMPTS[i % len(PROMPTS)], max_tokens, prompt_idx=i)
@@ -164,7 +166,7 @@ class Load:
         return sum(1 for r in list(self.results) if r.finish_reason is None and not r.error)
 
     async def _main(self) -> None:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=client_headers()) as s:
             async def client(c: int) -> None:
                 while not self._stop.is_set():
                     res_task = asyncio.ensure_future(stream_once(
@@ -229,7 +231,7 @@ class Load:
 def first_token_s(url: str, model: str, timeout: float = 60.0) -> float:
     """Seconds from sending a request to its first token (cold-start measurements)."""
     async def go() -> float:
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(headers=client_headers()) as s:
             r = await stream_once(s, url, model, PROMPTS[0], 4, timeout=timeout)
             if r.error or len(r.times) < 2:
                 raise RuntimeError(f"no first token from {url}: {r.error}")

@@ -41,6 +41,13 @@ class DeployRouterSection(_Section):
     port: int = Field(0, ge=0, le=65535)
     control_port: int = Field(0, ge=0, le=65535)
     control_token: str | None = None
+    #: keys clients must send to the OpenAI API (`Authorization: Bearer KEY`); with
+    #: api_key_file's (one a line, read by `deploy`) and RELOCATOR_API_KEY's. A router beyond
+    #: loopback needs one unless `insecure`
+    api_keys: list[str] = Field(default_factory=list)
+    api_key_file: str | None = None
+    #: /metrics without a key (a scraper on a trusted network)
+    metrics_public: bool = False
 
 
 class DeployConfig(_Section):
@@ -52,6 +59,9 @@ class DeployConfig(_Section):
     router: DeployRouterSection = DeployRouterSection()
     #: a deployment whose preflight fails on a host stops there unless this is set
     allow_failed_preflight: bool = False
+    #: deploy anyway on a Ray cluster without token authentication, and serve the router beyond
+    #: loopback without an API key (`--insecure`; relocator/deploy/security.py)
+    insecure: bool = False
 
     @model_validator(mode="after")
     def _absolute(self) -> "DeployConfig":

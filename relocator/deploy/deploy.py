@@ -33,6 +33,11 @@ class DeployError(RuntimeError):
         self.report = report or {}
 
 
+def _refuse(problem: str | None) -> None:
+    if problem:
+        raise DeployError(problem)
+
+
 def init_ray(address: str) -> None:
     """Attach to the cluster at `address`: `ray://HOST:10001` (Ray Client, from anywhere) or
     `HOST:6379` / `auto` (from a node of the cluster)."""
@@ -143,7 +148,15 @@ def deploy(address: str, config: DeployConfig | str | Path | None = None) -> dic
 
     cfg = config if isinstance(config, DeployConfig) else DeployConfig.load(config)
     t0 = time.monotonic()
+    from relocator.deploy import security
+
+    keys = security.router_keys(cfg.router.api_keys, cfg.router.api_key_file)
+    if cfg.router.host:  # known before connecting: refuse at once
+        _refuse(security.router_problem(cfg.router.host, keys, cfg.insecure))
     init_ray(address)
+    has_token = security.driver_has_token()
+    anonymous = security.cluster_anonymous_access() if has_token and not cfg.insecure else None
+    _refuse(security.ray_problem(has_token, anonymous, cfg.insecure))
     from relocator import credentials
     from relocator.controller.controller import CONTROLLER_NAME, start_controller
     from relocator.deploy import hosts
@@ -165,6 +178,8 @@ def deploy(address: str, config: DeployConfig | str | Path | None = None) -> dic
                           f"`ray start --resources '{{\"{cfg.nodes.resource}\": 1}}'`)")
     names = hosts.name_nodes(selected, cfg.nodes.names)
     ctl_node = _pick_controller_node(alive, names, cfg.controller.node)
+    router_host = cfg.router.host or ctl_node["NodeManagerAddress"]
+    _refuse(security.router_problem(router_host, keys, cfg.insecure))
     dep_id = f"d{uuid.uuid4().hex[:8]}"
     base = str(Path(cfg.base_dir) / dep_id)
     marker = None
@@ -188,12 +203,14 @@ def deploy(address: str, config: DeployConfig | str | Path | None = None) -> dic
                             "hostname": ctl_node.get("NodeManagerHostname")},
         "actors": [CONTROLLER_NAME, ROUTER_ACTOR, *[agent_name(n) for n in sorted(by_name)]],
         "transfer": cfg.controller.transfer.value,
+        "router_auth": "api_key" if keys else "none", "ray_auth": "token" if has_token else "none",
     }
     _kv_put(record)  # before anything starts: an undeploy after a failure here finds it all
     try:
-        router = start_router(ctl_node["NodeID"], cfg.router.host or ctl_node["NodeManagerAddress"],
+        router = start_router(ctl_node["NodeID"], router_host,
                               cfg.router.port, cfg.router.control_port, cfg.router.control_token,
-                              str(Path(base) / "router"))
+                              str(Path(base) / "router"), api_keys=keys,
+                              metrics_public=cfg.router.metrics_public, insecure=cfg.insecure)
         rinfo = ray.get(router.info.remote(), timeout=120)
         ctl_cfg = cfg.controller.model_dump(mode="json", exclude={"node"})
         ctl = start_controller({"base_dir": base, "router_url": rinfo["router_url"],

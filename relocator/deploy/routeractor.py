@@ -17,7 +17,8 @@ log = logging.getLogger("relocator.deploy")
 
 
 class RouterHost:
-    def __init__(self, host: str, port: int, control_port: int, token: str | None, state_dir: str) -> None:
+    def __init__(self, host: str, port: int, control_port: int, token: str | None, state_dir: str,
+                 api_keys: list[str] | None = None, metrics_public: bool = False, insecure: bool = False) -> None:
         from relocator.cluster.config import REPO
         from relocator.cluster.daemon import free_port
         from relocator.cluster.routerproc import RouterSupervisor
@@ -27,6 +28,13 @@ class RouterHost:
         env = {**os.environ, "PYTHONPATH": str(REPO), "RELOCATOR_ROUTER_CONTROL_HOST": "127.0.0.1"}
         if token:
             env["RELOCATOR_ROUTER_CONTROL_TOKEN"] = token
+        env.pop("RELOCATOR_API_KEY", None)  # the deployment's keys only
+        if api_keys:  # in a file only we read, not in the router's environment
+            from relocator.deploy.security import write_key_file
+
+            env["RELOCATOR_ROUTER_API_KEY_FILE"] = str(write_key_file(Path(state_dir) / "api-keys", api_keys))
+        env["RELOCATOR_ROUTER_METRICS_PUBLIC"] = "1" if metrics_public else "0"
+        env["RELOCATOR_ROUTER_INSECURE"] = "1" if insecure else "0"
         self.sup = RouterSupervisor(port=port, control_port=self.control_port,
                                     state_file=Path(state_dir) / "router-state.json",
                                     log_file=open(Path(state_dir) / "router.log", "ab"), env=env, cwd=REPO,
@@ -58,11 +66,13 @@ class RouterHost:
         return True
 
 
-def start_router(ray_node_id: str, host: str, port: int, control_port: int, token: str | None, state_dir: str):
+def start_router(ray_node_id: str, host: str, port: int, control_port: int, token: str | None, state_dir: str,
+                 **auth: Any):
+    """`auth`: RouterHost's api_keys, metrics_public, insecure."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     return ray.remote(RouterHost).options(
         name=ROUTER_ACTOR, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_id, soft=False),
-    ).remote(host, port, control_port, token, state_dir)
+    ).remote(host, port, control_port, token, state_dir, **auth)

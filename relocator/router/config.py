@@ -6,12 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from adapters.base import DEFAULT_ENGINE, engine_names
 from relocator.choices import registry_choice
 
+from . import auth
 from .policies import RouterPolicy
 
 #: the engines a replica can run (adapters' registry), and "none": streams not continued
@@ -42,8 +43,19 @@ class RouterSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RELOCATOR_ROUTER_", env_nested_delimiter="__",
                                       extra="forbid")
 
-    host: str = "0.0.0.0"
+    #: the OpenAI API's listen address: loopback unless told (beyond it, with api keys or
+    #: `insecure`)
+    host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    #: keys a client must send (`Authorization: Bearer <key>`) on /v1/* (and /metrics unless
+    #: metrics_public); with api_key_file's and RELOCATOR_API_KEY's; none = no authentication
+    api_keys: list[str] = Field(default_factory=list)
+    #: a file of further keys, one a line
+    api_key_file: Path | None = None
+    #: /metrics without a key even when keys are set (a scraper on a trusted network)
+    metrics_public: bool = False
+    #: serve the OpenAI API beyond loopback with no key (anyone who reaches it may use it)
+    insecure: bool = False
     control_host: str = "127.0.0.1"
     control_port: int = Field(8001, ge=0, le=65535)
     #: bearer token for the control API; unset = control API bound to loopback only
@@ -87,13 +99,32 @@ class RouterSettings(BaseSettings):
     #: while draining, a keep-alive connection idle this long is closed (busy ones are
     #: answered with `Connection: close`)
     drain_idle_close_s: float = Field(2.0, ge=0)
+    #: every accepted key (api_keys, api_key_file, RELOCATOR_API_KEY), read once at load
+    _keys: tuple[bytes, ...] = PrivateAttr(default=())
 
     @model_validator(mode="after")
     def _loopback(self) -> "RouterSettings":
         if not self.control_token and self.control_host not in ("127.0.0.1", "::1", "localhost"):
             raise ValueError("the control API without control_token may only listen on loopback "
                              f"(control_host={self.control_host!r})")
+        keys = [*self.api_keys, *auth.env_keys()]
+        if self.api_key_file is not None:
+            try:
+                keys += auth.read_key_file(self.api_key_file)
+            except OSError as e:
+                raise ValueError(f"api_key_file: {e}") from None
+        if any(not k.strip() or any(c.isspace() for c in k) for k in keys):
+            raise ValueError("an API key may not be empty or hold whitespace")
+        self._keys = tuple(dict.fromkeys(k.encode() for k in keys))
+        if not self._keys and not self.insecure and not auth.is_loopback(self.host):
+            raise ValueError(f"the OpenAI API beyond loopback (host={self.host!r}) needs an API "
+                             "key (api_keys, api_key_file or RELOCATOR_API_KEY) or insecure: true")
         return self
+
+    @property
+    def keys(self) -> tuple[bytes, ...]:
+        """The accepted API keys (empty: no authentication)."""
+        return self._keys
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings],

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from relocator.choices import LogLevel
 
-from . import errors
+from . import auth, errors
 from .config import RouterSettings
 from .control import ControlAPI, error_response as _err, openai_errors as _openai_errors, serve_app
 from .core import Stream, Unary
@@ -139,7 +139,7 @@ class RouterServer:
     async def start(self) -> "RouterServer":
         s = self.settings
         self.rt.start()
-        api = web.Application(middlewares=[self._drain_mw, _openai_errors],
+        api = web.Application(middlewares=[self._drain_mw, _openai_errors, self._auth_mw],
                               client_max_size=s.max_body_bytes + 1)
         api.router.add_post("/v1/completions", self._completions)
         api.router.add_post("/v1/chat/completions", self._chat)
@@ -261,6 +261,19 @@ class RouterServer:
         if self.draining and not resp.prepared:
             resp.force_close()  # the client's next request opens a connection to the new router
         return resp
+
+    @web.middleware
+    async def _auth_mw(self, request: web.Request, handler):
+        """With API keys set, every path but /health (and /metrics when metrics_public) wants
+        one of them: OpenAI's 401 otherwise."""
+        s = self.settings
+        open_paths = ("/health", "/metrics") if s.metrics_public else ("/health",)
+        if s.keys and request.path not in open_paths:
+            header = request.headers.get("Authorization")
+            if not auth.key_matches(header, s.keys):
+                self.hooks.errors.labels("invalid_api_key").inc()
+                raise auth.invalid_api_key(missing=not header)
+        return await handler(request)
 
     @web.middleware
     async def _forward_mw(self, request: web.Request, handler):
