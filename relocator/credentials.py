@@ -214,6 +214,8 @@ def _context(server: bool) -> ssl.SSLContext | None:
     ctx.verify_mode = ssl.CERT_REQUIRED  # on a server: a client without a cluster certificate fails
     ctx.load_verify_locations(ca)
     ctx.load_cert_chain(cert, key)
+    if server:
+        ctx.num_tickets = 0  # one session per connection: no TLS 1.3 tickets for a reader to trip on
     return ctx
 
 

@@ -123,13 +123,19 @@ def test_pump_streams_a_stopped_process_memory(tmp_path: Path, monkeypatch) -> N
         while not (pump.read_state(tmp_path) or {}).get("port"):
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        conn = socket.create_connection(("127.0.0.1", pump.read_state(tmp_path)["port"]))
-        got = b""
-        while True:
-            b = conn.recv(1 << 16)
-            if not b:
-                break
-            got += b
+        port = pump.read_state(tmp_path)["port"]
+        # clients without this cluster's certificate get no byte of memory (issue 26) ...
+        for client in (None, _tls_client(None), _tls_client(tmp_path / "other")):
+            leaked = _read_all(port, client)
+            assert b"A" * 64 not in leaked and not leaked.startswith(pump.FRAME.pack(5, addr, 8 * PAGE)[:16])
+        deadline = time.monotonic() + 10  # counted once the pump has closed the connection
+        while pump.read_state(tmp_path).get("refused") != 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        # ... and the pump kept listening for the keeper, which gets it all
+        from relocator.credentials import client_context
+
+        got = _read_all(port, client_context())
         t.join(10)
         px = _Proxy([], depth=1, cache_bytes=1 << 30, pushed=True)
         _push(px, got)
@@ -142,6 +148,40 @@ def test_pump_streams_a_stopped_process_memory(tmp_path: Path, monkeypatch) -> N
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
+
+
+def _tls_client(other_cluster: Path | None):
+    """A TLS client that presents no certificate (None) or one of another cluster."""
+    import ssl
+
+    from relocator import credentials
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    if other_cluster is not None:
+        d = credentials.install(credentials.for_node(credentials.make_cluster("other"), "x"), other_cluster,
+                                export=False)
+        ctx.load_cert_chain(str(d / credentials.CERT), str(d / credentials.KEY))
+    return ctx
+
+
+def _read_all(port: int, tls=None) -> bytes:
+    """Everything a connection to `port` gets until it is closed (or nothing comes for 5 s)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    got = b""
+    try:
+        if tls is not None:
+            sock = tls.wrap_socket(sock)
+        while True:
+            b = sock.recv(1 << 16)
+            if not b:
+                break
+            got += b
+    except OSError:  # the handshake refused, the connection reset: what came is what leaked
+        pass
+    finally:
+        sock.close()
+    return got
 
 
 def _keeper_for_prefill(tmp_path: Path, prefill_bytes: int, prefill_s: float = 5.0, stall_s: float = 0.5):

@@ -256,15 +256,20 @@ def test_lazy_runs(tmp_path: Path) -> None:
 class _FakeSource:
     """A page server answering GETs with `nr` pages each, until told to go silent or close."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: bool = False) -> None:
+        from relocator.credentials import server_context
+
         self.lst = socket.create_server(("127.0.0.1", 0))
         self.port = self.lst.getsockname()[1]
         self.mode = "answer"  # | "silent" | "close"
+        self.tls = server_context() if tls else None  # as CRIU's --tls: the keeper must present its certificate
         self.thread = threading.Thread(target=self.run, daemon=True)
         self.thread.start()
 
     def run(self) -> None:
         conn, _ = self.lst.accept()
+        if self.tls is not None:
+            conn = self.tls.wrap_socket(conn, server_side=True)
         buf = b""
         while True:
             data = conn.recv(4096)
@@ -287,8 +292,12 @@ class _FakeSource:
 
 
 def _keeper(tmp_path: Path, source: _FakeSource, stall_s: float = 1.0):
-    """A Keeper relaying for a fake daemon (a socket here) and a fake tree (a sleep process)."""
+    """A Keeper relaying for a fake daemon (a socket here) and a fake tree (a sleep process);
+    with a TLS source, as Keeper.run connects: TLS to the source, the daemon on a socket pair."""
     import argparse
+
+    from relocator.agent.postcopy import _connect
+    from relocator.credentials import client_context
 
     tree = subprocess.Popen(["sleep", "60"])
     (tmp_path / "init.pid").write_text(str(tree.pid))
@@ -297,17 +306,24 @@ def _keeper(tmp_path: Path, source: _FakeSource, stall_s: float = 1.0):
                               connect_timeout=2.0, status_fd=-1, prefetch=1, prefetch_depth=4, cache_bytes=1 << 30)
     k = Keeper(args)
     k.daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    lst = socket.create_server(("127.0.0.1", 0))
-    up = socket.create_connection(("127.0.0.1", source.port))
     out: dict = {}
-    t = threading.Thread(target=lambda: out.update(rc=k.relay(lst, up)), daemon=True)
+    if source.tls is None:
+        lst = socket.create_server(("127.0.0.1", 0))
+        up = socket.create_connection(("127.0.0.1", source.port))
+        t = threading.Thread(target=lambda: out.update(rc=k.relay(lst, up)), daemon=True)
+        t.start()
+        return k, tree, socket.create_connection(lst.getsockname()), t, out
+    up = _connect("127.0.0.1", source.port, 2.0, client_context())
+    up.settimeout(stall_s)
+    down, daemon = socket.socketpair()
+    t = threading.Thread(target=lambda: out.update(rc=k.relay(None, up, down=down)), daemon=True)
     t.start()
-    daemon = socket.create_connection(lst.getsockname())
     return k, tree, daemon, t, out
 
 
-def test_keeper_relays_and_counts_pages(tmp_path: Path) -> None:
-    src = _FakeSource()
+@pytest.mark.parametrize("tls", [False, True])
+def test_keeper_relays_and_counts_pages(tmp_path: Path, tls: bool) -> None:
+    src = _FakeSource(tls)
     k, tree, daemon, t, out = _keeper(tmp_path, src)
     daemon.sendall(_req(PS_IOV_GET, 3))
     got = b""
@@ -324,9 +340,11 @@ def test_keeper_relays_and_counts_pages(tmp_path: Path) -> None:
     assert st["state"] == "failed" and st["why"] == "daemon" and tree.wait(5) == -9
 
 
+@pytest.mark.parametrize("tls", [False, True])
 @pytest.mark.parametrize("mode, why", [("close", "source"), ("silent", "stall")])
-def test_keeper_kills_the_copy_before_the_daemon_hears_of_a_lost_source(tmp_path: Path, mode: str, why: str) -> None:
-    src = _FakeSource()
+def test_keeper_kills_the_copy_before_the_daemon_hears_of_a_lost_source(tmp_path: Path, mode: str, why: str,
+                                                                        tls: bool) -> None:
+    src = _FakeSource(tls)
     k, tree, daemon, t, out = _keeper(tmp_path, src, stall_s=0.5)
     src.mode = mode
     daemon.sendall(_req(PS_IOV_GET, 1))

@@ -28,6 +28,7 @@ import os
 import select
 import signal
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -128,24 +129,26 @@ class Keeper:
         _raise_priority(0)
         self.state(state="starting", keeper_pid=os.getpid(), upstream=f"{a.source}:{a.source_port}",
                    page_bytes=0, lazy_bytes=a.lazy_bytes, started_at=time.time())
-        lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        lst.bind(("127.0.0.1", 0))
-        lst.listen(1)
-        port = lst.getsockname()[1]
+        # the daemon's end of its page-server connection is one of a socket pair (--ps-socket):
+        # no listening port that another local process could reach first and be served from
+        down, daemon_end = socket.socketpair()
+        from relocator.credentials import client_context
+
+        tls = client_context()  # the cluster's CA and this node's certificate (None: opted out by hand)
         try:
-            up = socket.create_connection((a.source, a.source_port), timeout=a.connect_timeout)
+            up = _connect(a.source, a.source_port, a.connect_timeout, tls)
         except OSError as exc:
             self.state(state="failed", why="source", error=f"cannot reach the source's page server: {exc}")
             return 3
-        up.settimeout(None)
+        # a TLS record read in part blocks until its rest comes: a cut link then ends in a
+        # timeout (a stall) instead of a relay stuck for ever
+        up.settimeout(a.stall_s)
         up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         pump = None
         if a.pump_port:
             try:  # the push channel is an accelerator only: without it every page comes by request
-                pump = socket.create_connection((a.source, a.pump_port), timeout=a.connect_timeout)
+                pump = _connect(a.source, a.pump_port, a.connect_timeout, tls, rcvbuf=4 << 20)
                 pump.settimeout(None)
-                pump.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
             except OSError as exc:
                 self.state(pump_error=f"cannot reach the source's pump: {exc}")
         from relocator.snapshot import criu
@@ -154,20 +157,21 @@ class Keeper:
         if pump is not None and a.prefill_bytes > 0:
             pump = self.prefill(pump)
         try:
-            d = criu.lazy_pages(Path(a.image_dir), self.cell_dir, "127.0.0.1", port)
+            d = criu.lazy_pages(Path(a.image_dir), self.cell_dir, ps_socket=daemon_end.fileno())
         except criu.CriuError as exc:
             up.close()
             self.state(state="failed", why="daemon", error=str(exc)[:2000])
             return 4
+        finally:
+            daemon_end.close()  # the daemon has its copy
         self.daemon = d.proc
-        self.state(state="ready", daemon_pid=d.pid, port=port)
+        self.state(state="ready", daemon_pid=d.pid)
         if a.status_fd >= 0:
             os.write(a.status_fd, b"\0")
             os.close(a.status_fd)
         try:
-            return self.relay(lst, up, pump)
+            return self.relay(None, up, pump, down=down)
         finally:
-            lst.close()
             if pump is not None:
                 pump.close()
 
@@ -199,17 +203,18 @@ class Keeper:
         except OSError:  # the push broke: the rest comes by request (or the source is gone: see relay)
             pump.close()
             pump = None
-        if pump is not None:
-            pump.settimeout(None)
+        if pump is not None:  # the relay reads it in the gaps only: never blocked on part of a record
+            pump.setblocking(False)
         self.state(prefill_s=round(time.monotonic() - t0, 3), prefill_bytes=px.pushed_kept)
         return pump
 
-    def relay(self, lst: socket.socket, up: socket.socket, pump: socket.socket | None = None) -> int:
+    def relay(self, lst: socket.socket | None, up: socket.socket, pump: socket.socket | None = None,
+              down: socket.socket | None = None) -> int:
         """Serve the daemon's requests in order, from pages pushed (or fetched ahead) when they
-        are here, through the source's page server otherwise."""
+        are here, through the source's page server otherwise. The daemon is `down` (connected
+        already) or the first connection on `lst`."""
         a = self.a
         px = self.px or self.proxy(pushed=pump is not None)
-        down: socket.socket | None = None
         last_up = time.monotonic()
         self.state(state="running")
         why = error = None
@@ -239,11 +244,14 @@ class Keeper:
                         wait = min(wait, quiet)
             else:
                 wait = min(wait, throttle_until - now)
-            r, _, _ = select.select(socks, [], [], wait)
+            buffered = [s for s in socks if _pending(s)]  # TLS: decrypted already, select cannot see it
+            r, _, _ = select.select(socks, [], [], 0 if buffered else wait)
+            r = list(set(r) | set(buffered))
             now = time.monotonic()
             if down is None and lst in r:
                 down, _ = lst.accept()
-                down.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if down.family != socket.AF_UNIX:
+                    down.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self.state(connected_at=time.time())
                 continue
             if down is None and self.daemon is not None and self.daemon.poll() is not None:
@@ -269,32 +277,37 @@ class Keeper:
                 _raise_priority(0, 19)
                 try:
                     n = px.pump_recv(pump, self.PUMP_BITE)
+                except (ssl.SSLWantReadError, BlockingIOError):
+                    n = -1  # part of a TLS record: the rest comes later
                 except OSError:
                     n = 0
                 finally:
                     _raise_priority(0)
-                if not n:  # everything pushed, or the pump went away: requests bring the rest
+                if n < 0:
+                    pass
+                elif not n:  # everything pushed, or the pump went away: requests bring the rest
                     pump.close()
                     pump = None
                 elif a.throttle_bps:
                     throttle_until = max(now, throttle_until) + n / a.throttle_bps
             if up in r:
                 try:
-                    n = up.recv_into(buf)
+                    n = _recv_some(up, buf)
                 except OSError as exc:
                     n, error = 0, str(exc)
-                if not n:
+                if n == 0:
                     why, error = "source", f"the source's page server closed the connection {error or ''}".strip()
                     break
-                last_up = now
-                try:
-                    for req in px.from_source(view[:n]):
-                        send_up(req)
-                except OSError as exc:
-                    why, error = "source", f"the source's page server went away: {exc}"
-                    break
-                if a.throttle_bps:
-                    throttle_until = max(now, throttle_until) + n / a.throttle_bps
+                if n is not None:  # None: TLS, a record not whole yet or none of the source's data (a ticket)
+                    last_up = now
+                    try:
+                        for req in px.from_source(view[:n]):
+                            send_up(req)
+                    except OSError as exc:
+                        why, error = "source", f"the source's page server went away: {exc}"
+                        break
+                    if a.throttle_bps:
+                        throttle_until = max(now, throttle_until) + n / a.throttle_bps
             if down is not None:
                 try:
                     px.flush(down)
@@ -350,6 +363,41 @@ class Keeper:
 
 
 PRIORITY = -10  # nice value of the processes a post-copy's page faults wait on
+
+
+def _connect(host: str, port: int, timeout: float, tls: ssl.SSLContext | None, rcvbuf: int = 0) -> socket.socket:
+    """A connection to the source (its page server or pump): TLS, the source's certificate
+    checked against the cluster's CA and this node's presented, unless `tls` is None."""
+    sock = socket.create_connection((host, port), timeout=timeout)
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    if tls is None:
+        return sock
+    try:
+        return tls.wrap_socket(sock)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _recv_some(sock: socket.socket, buf: bytearray) -> int | None:
+    """What `sock` has now, without blocking (select said it is readable): a TLS socket may have
+    only part of a record, or a record with no data of the peer in it (TLS 1.3 session tickets):
+    None then, where a blocking read would wait for the next answer."""
+    if not isinstance(sock, ssl.SSLSocket):
+        return sock.recv_into(buf)
+    timeout = sock.gettimeout()
+    sock.setblocking(False)
+    try:
+        return sock.recv_into(buf)
+    except ssl.SSLWantReadError:
+        return None
+    finally:
+        sock.settimeout(timeout)
+
+
+def _pending(sock: socket.socket) -> bool:
+    return isinstance(sock, ssl.SSLSocket) and sock.pending() > 0
 
 
 def _raise_priority(pid: int, nice: int = PRIORITY) -> None:
@@ -689,6 +737,9 @@ class TargetSession:
             lazy = lazy_bytes(image_dir)
         except Exception:  # noqa: BLE001 - only a figure
             lazy = 0
+        from relocator.credentials import tls_files
+
+        tls_files()  # this node's certificates, or a CredentialsError naming what is missing
         repo = str(Path(__file__).resolve().parents[2])
         # `python -S`: the keeper needs the standard library and this package only, and starts
         # in a few tens of milliseconds instead of the site's (editable installs) ~0.15 s
@@ -793,7 +844,8 @@ class LazySource:
 
     def abort(self, proc=None) -> str:
         """End the lazy dump so that its tree can be resumed: a dump not yet connected is
-        connected to and left (it then ends as if done, the tree stopped); a connected one gets
+        connected to (TLS, as a keeper) and left (it then ends as if done, the tree stopped); a
+        connected one gets
         its socket destroyed (`ss -K`: CRIU sees the transfer fail and lets the tree run);
         SIGKILL if neither ends it."""
         info = self.info()
@@ -802,9 +854,11 @@ class LazySource:
             return "not running"
         pid, port, address = info["pid"], info["port"], info["address"]
         how = "connected and closed"
-        try:
-            socket.create_connection((address, port), timeout=0.5).close()
-        except OSError:
+        try:  # as the keeper would (TLS, this node's certificate): a refused handshake would fail the dump
+            from relocator.credentials import client_context
+
+            _connect(address, port, 2.0, client_context()).close()
+        except (OSError, RuntimeError):
             how = "socket destroyed"
             subprocess.run(["ss", "-K", "-t", "state", "established", f"( sport = :{port} )"],
                            capture_output=True)

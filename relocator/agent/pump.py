@@ -13,7 +13,9 @@ the daemon already got from CRIU is dropped on arrival, and the source is releas
 the daemon has closed its session with CRIU's page server (relocator.agent.postcopy).
 
 Frames: a header `<QQI` (the pagemap id CRIU and the daemon know the process by, vaddr, bytes)
-then the bytes. The pump exits once everything is sent or the keeper goes away, when the lazy
+then the bytes, over TLS: the keeper must present a certificate of the cluster's CA
+(relocator.credentials); a connection that does not is closed after its failed handshake,
+without a byte of memory, and the pump goes on waiting for the keeper. The pump exits once everything is sent or the keeper goes away, when the lazy
 dump it belongs to ends, or when no keeper connects in time.
 """
 
@@ -24,6 +26,7 @@ import os
 import select
 import signal
 import socket
+import ssl
 import struct
 import sys
 import time
@@ -84,12 +87,32 @@ def plan(image_dir: Path, pids: dict[int, int]) -> list[tuple[int, int, int, int
 
 
 class Pump:
+    HANDSHAKE_S = 2.0
+
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
         self.cell_dir = Path(a.cell_dir)
+        self.refused = 0  # connections that failed the TLS handshake
 
     def state(self, **fields) -> None:
         write_state(self.cell_dir, STATE_FILE, pid=os.getpid(), **fields)
+
+    def admit(self, lst: socket.socket, tls: ssl.SSLContext | None, port: int) -> socket.socket | None:
+        """The connection waiting on `lst` once its peer proved itself (mutual TLS with the
+        cluster's CA); None, having closed it, otherwise (and the pump keeps listening)."""
+        raw, peer = lst.accept()
+        if tls is None:
+            return raw
+        raw.settimeout(self.HANDSHAKE_S)  # a client that says nothing holds the door this long only
+        try:
+            conn = tls.wrap_socket(raw, server_side=True)
+        except (OSError, ValueError) as exc:
+            raw.close()
+            self.refused += 1
+            self.state(state="listening", port=port, refused=self.refused, last_refused=f"{peer[0]}: {exc}"[:300])
+            return None
+        conn.settimeout(None)
+        return conn
 
     def run(self) -> int:
         a = self.a
@@ -102,8 +125,11 @@ class Pump:
         lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         lst.bind((a.address, 0))
-        lst.listen(1)
+        lst.listen(8)
         port = lst.getsockname()[1]
+        from relocator.credentials import server_context
+
+        tls = server_context()  # None only under the by-hand opt-out
         total = sum(f[3] for f in frames)
         self.state(state="listening", port=port, address=a.address, bytes=total, frames=len(frames))
         if a.status_fd >= 0:
@@ -120,7 +146,7 @@ class Pump:
                 return 0
             r, _, _ = select.select([lst], [], [], 0.2)
             if r:
-                conn, _ = lst.accept()
+                conn = self.admit(lst, tls, port)
         lst.close()
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
         self.state(state="sending", port=port, bytes=total, frames=len(frames))
@@ -183,8 +209,10 @@ def stop(cell_dir: Path) -> None:
 
 def start(cell_dir: Path, image_dir: Path, init_pid: int, dump_pid: int, address: str) -> tuple[object, int]:
     """Start the pump for a lazy dump (`dump_pid`) of the cell; returns (process, port)."""
+    from relocator.credentials import tls_files
     from relocator.snapshot import criu
 
+    tls_files()  # this node's certificates, or a CredentialsError naming what is missing
     repo = str(Path(__file__).resolve().parents[2])
     argv = [sys.executable, "-S", "-m", "relocator.agent.pump", "--cell-dir", str(cell_dir), "--image-dir",
             str(image_dir), "--init-pid", str(init_pid), "--dump-pid", str(dump_pid), "--address", address]

@@ -85,13 +85,14 @@ def dump(pid: int, image_dir: Path, netns_inode: int, leave_stopped: bool = True
     The cell's network namespace is marked external (it is recreated on the target, with its own
     address), so only the sockets go into the image. The tree is left stopped, not killed.
     `page_server` (address, port): the memory pages (pagemap and pages images) go straight to
-    that page server as they are read (`criu page-server` on the target); only the other,
-    small images are written to `image_dir`.
+    that page server as they are read (`criu page-server` on the target), over TLS with the
+    cluster's certificates (relocator.credentials); only the other, small images are written
+    to `image_dir`.
     """
     image_dir.mkdir(parents=True, exist_ok=True)
     cmd = _dump_cmd(pid, image_dir, netns_inode, leave_stopped, extra_args)
-    if page_server is not None:
-        cmd += ["--page-server", "--address", page_server[0], "--port", str(page_server[1])]
+    if page_server is not None:  # TLS, both ends authenticated by the cluster's CA
+        cmd += ["--page-server", "--address", page_server[0], "--port", str(page_server[1]), *_tls()]
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     took = time.monotonic() - start
@@ -210,8 +211,9 @@ class CriuProcess:
     or connected and waiting), or raises CriuError with its log if it exits first."""
 
     def __init__(self, argv: list[str], log: Path, what: str, cwd: str | Path | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, pass_fds: Sequence[int] = ()) -> None:
         self.argv, self.log, self.what, self.cwd, self.env = argv, Path(log), what, cwd, env
+        self.pass_fds = tuple(pass_fds)
         self.proc: subprocess.Popen | None = None
         self.started = 0.0
 
@@ -224,7 +226,8 @@ class CriuProcess:
         r, w = os.pipe()
         out = open(self.log.with_suffix(".out"), "ab")
         try:
-            self.proc = subprocess.Popen(self.argv + ["--status-fd", str(w)], pass_fds=(w,), stdin=subprocess.DEVNULL,
+            self.proc = subprocess.Popen(self.argv + ["--status-fd", str(w)], pass_fds=(w, *self.pass_fds),
+                                         stdin=subprocess.DEVNULL,
                                          stdout=out, stderr=out, cwd=self.cwd, env=self.env,
                                          start_new_session=True)
         finally:
@@ -277,14 +280,25 @@ def _start_on_free_port(make: Callable[[int], CriuProcess], address: str, tries:
     raise last
 
 
+def _tls() -> list[str]:
+    """CRIU's TLS options with this node's credentials (CredentialsError if it has none)."""
+    from relocator.credentials import criu_tls_args
+
+    return criu_tls_args()
+
+
 def page_server(image_dir: Path, address: str, port: int = 0) -> tuple[CriuProcess, int]:
     """`criu page-server` writing the pages a remote dump sends into `image_dir` (one session:
-    it exits when the dump disconnects, 0 once every page was flushed). Returns it and its port."""
+    it exits when the dump disconnects, 0 once every page was flushed). Returns it and its port.
+    TLS: only a dump holding a certificate of the cluster's CA gets through the handshake; any
+    other connection ends the page server (and so the move) without a byte of memory."""
     image_dir.mkdir(parents=True, exist_ok=True)
+    tls = _tls()
 
     def make(p: int) -> CriuProcess:
         proc = CriuProcess([criu_binary(), "page-server", "-D", str(image_dir), "-o", "page-server.log", "-v2",
-                            "--address", address, "--port", str(p)], image_dir / "page-server.log", "page-server")
+                            "--address", address, "--port", str(p), *tls], image_dir / "page-server.log",
+                           "page-server")
         proc.port = p  # type: ignore[attr-defined]
         return proc
 
@@ -300,10 +314,11 @@ def lazy_dump(pid: int, image_dir: Path, netns_inode: int, address: str, port: i
     when the daemon has every page (the tree is then left stopped), non-zero if the transfer
     broke (the tree is then let run again: resume_source still has to unlock its network)."""
     image_dir.mkdir(parents=True, exist_ok=True)
+    tls = _tls()  # the keeper on the target is the only client that gets through
 
     def make(p: int) -> CriuProcess:
         cmd = _dump_cmd(pid, image_dir, netns_inode, True, extra_args)
-        proc = CriuProcess(cmd + ["--lazy-pages", "--address", address, "--port", str(p)],
+        proc = CriuProcess(cmd + ["--lazy-pages", "--address", address, "--port", str(p), *tls],
                            image_dir / "dump.log", "dump --lazy-pages")
         proc.port = p  # type: ignore[attr-defined]
         return proc
@@ -312,10 +327,14 @@ def lazy_dump(pid: int, image_dir: Path, netns_inode: int, address: str, port: i
     return proc, proc.port  # type: ignore[attr-defined]
 
 
-def lazy_pages(image_dir: Path, work_dir: Path, address: str, port: int, log: Path | None = None) -> CriuProcess:
+def lazy_pages(image_dir: Path, work_dir: Path, address: str = "", port: int = 0, log: Path | None = None,
+               ps_socket: int | None = None) -> CriuProcess:
     """`criu lazy-pages`: waits in `work_dir` for `restore(lazy=True)` to hand it the restored
-    tree's userfaultfds, then fills the missing memory from the page server at address:port (a
-    fault first, everything else in the background) and exits once all of it has arrived."""
+    tree's userfaultfds, then fills the missing memory from the page server at address:port, or
+    on the connected socket `ps_socket` (passed down; the keeper's socket pair), a fault first,
+    everything else in the background, and exits once all of it has arrived."""
     log = log or work_dir / "lazy-pages.log"
-    return CriuProcess([criu_binary(), "lazy-pages", "--page-server", "--address", address, "--port", str(port),
-                        "-D", str(image_dir), "-W", str(work_dir), "-o", str(log), "-v2"], log, "lazy-pages").start()
+    where = ["--ps-socket", str(ps_socket)] if ps_socket is not None else ["--address", address, "--port", str(port)]
+    return CriuProcess([criu_binary(), "lazy-pages", "--page-server", *where,
+                        "-D", str(image_dir), "-W", str(work_dir), "-o", str(log), "-v2"], log, "lazy-pages",
+                       pass_fds=() if ps_socket is None else (ps_socket,)).start()

@@ -1,0 +1,180 @@
+"""Issue 26: nothing of a transfer crosses the network unauthenticated. The cluster's credentials
+(relocator.credentials), CRIU's page server under TLS against clients without them, and (with
+the session's cluster) a port scan of every transfer process during a stream and a post-copy
+move. The pump's own refusal is in tests/test_postcopy_push.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import ssl
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from relocator import credentials
+from relocator.agent.postcopy import PSI, PS_IOV_GET
+
+TLS_ALERT, TLS_HANDSHAKE = 0x15, 0x16
+
+
+def _other_cluster(d: Path) -> Path:
+    return credentials.install(credentials.for_node(credentials.make_cluster("other"), "x"), d, export=False)
+
+
+def test_an_agent_keeps_its_credentials_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from relocator.agent.agent import NodeAgent
+
+    monkeypatch.setenv(credentials.ENV_DIR, os.environ.get(credentials.ENV_DIR, ""))  # restored afterwards
+    monkeypatch.setenv("RELOCATOR_STATE_DIR", str(tmp_path / "state"))
+    bundle = credentials.for_nodes(credentials.make_cluster(), ["n1", "n2"])
+    assert "ca_key" not in bundle["n1"]  # the CA's key stays where the cluster was made
+    assert bundle["n1"]["cert"] != bundle["n2"]["cert"] and bundle["n1"]["image_key"] == bundle["n2"]["image_key"]
+    NodeAgent("n1", str(tmp_path / "n1" / "state"), str(tmp_path / "n1" / "images"), bundle["n1"])
+    d = tmp_path / "n1" / "credentials"
+    assert os.environ[credentials.ENV_DIR] == str(d)
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    for name in (credentials.CA, credentials.CERT, credentials.KEY, credentials.IMAGE_KEY):
+        assert stat.S_IMODE((d / name).stat().st_mode) == 0o600
+    assert credentials.image_key() == bundle["n1"]["image_key"].encode()
+    ca, cert, key = credentials.tls_files()
+    assert subprocess.run(["openssl", "verify", "-CAfile", ca, cert], capture_output=True).returncode == 0
+
+
+def test_a_node_without_credentials_gets_no_plaintext_transfer(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from relocator.snapshot import criu
+
+    monkeypatch.delenv(credentials.ENV_DIR, raising=False)
+    monkeypatch.delenv(credentials.ENV_INSECURE, raising=False)
+    with pytest.raises(credentials.CredentialsError, match="no transfer credentials.*RELOCATOR_CREDENTIALS"):
+        criu.page_server(tmp_path / "img", "127.0.0.1")
+    monkeypatch.setenv(credentials.ENV_DIR, str(tmp_path / "half"))
+    (tmp_path / "half").mkdir()
+    with pytest.raises(credentials.CredentialsError, match="missing .*node.pem"):
+        credentials.criu_tls_args()
+    monkeypatch.delenv(credentials.ENV_DIR)
+    monkeypatch.setenv(credentials.ENV_INSECURE, "1")  # the documented by-hand opt-out, nothing else
+    assert credentials.criu_tls_args() == [] and credentials.server_context() is None
+
+
+def _probe(port: int, tls: ssl.SSLContext | None) -> tuple[bytes, bool]:
+    """Connect without this cluster's credentials and ask for a page as CRIU's lazy-pages daemon
+    would: (what came back, whether the server closed the connection within 5 s)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    got, closed = b"", False
+    try:
+        if tls is not None:
+            sock = tls.wrap_socket(sock)
+        sock.sendall(PSI.pack(PS_IOV_GET, 1, 0x400000, 1))
+        while True:
+            b = sock.recv(65536)
+            if not b:
+                closed = True
+                break
+            got += b
+    except (ssl.SSLError, ConnectionError):
+        closed = True
+    except TimeoutError:
+        pass
+    finally:
+        sock.close()
+    return got, closed
+
+
+def _no_data(got: bytes, tls: bool) -> bool:
+    """Nothing but TLS's own alerts (plaintext probe) or nothing at all (TLS probe)."""
+    return got == b"" or (not tls and got[0] == TLS_ALERT and len(got) < 64)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("openssl"), reason="CRIU's page server runs as root")
+@pytest.mark.parametrize("client", ["plain", "no-cert", "other-cluster"])
+def test_page_server_drops_a_client_without_the_clusters_certificate(tmp_path: Path, client: str) -> None:
+    from relocator.snapshot import criu
+
+    tls = None
+    if client != "plain":
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        tls.check_hostname, tls.verify_mode = False, ssl.CERT_NONE
+        if client == "other-cluster":
+            d = _other_cluster(tmp_path / "other")
+            tls.load_cert_chain(str(d / credentials.CERT), str(d / credentials.KEY))
+    proc, port = criu.page_server(tmp_path / "img", "127.0.0.1")
+    try:
+        got, closed = _probe(port, tls)
+        assert closed and _no_data(got, tls is not None), (client, got[:64])
+        assert proc.wait(10) != 0  # the page server gave up: no dump can feed it pages now
+        assert not list((tmp_path / "img").glob("pages-*.img"))
+    finally:
+        proc.kill()
+
+
+# -- the port scan during real moves (the session's loopback cluster) ------------------------------
+def _listening_ports(pids: set[int]) -> set[int]:
+    """TCP ports in LISTEN state held by any of `pids` (ss -tlnp)."""
+    out = subprocess.run(["ss", "-Htlnp"], capture_output=True, text=True).stdout
+    ports = set()
+    for line in out.splitlines():
+        if any(f"pid={p}," in line for p in pids):
+            ports.add(int(line.split()[3].rsplit(":", 1)[1]))
+    return ports
+
+
+def _transfer_pids(base: str) -> set[int]:
+    """The transfer processes of the cluster at `base` running now: CRIU page servers, lazy
+    dumps and lazy-pages daemons, keepers, pumps (relocator.chaos.leaks)."""
+    from relocator.chaos.leaks import transfer_processes
+
+    return {int(p.split(":", 1)[0]) for p in transfer_processes(Path(base))}
+
+
+@pytest.fixture(scope="module")
+def scan_worker(relocator_cluster):
+    w = relocator_cluster.launch("tiny-llama", gpus=1)
+    yield w["id"]
+    relocator_cluster.stop_worker(w["id"])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("transfer", ["stream", "postcopy"])
+def test_port_scan_during_a_move_finds_no_transfer_port_that_serves(relocator_cluster, scan_worker,
+                                                                    transfer: str) -> None:
+    """During a move, a client with no credentials connects to every TCP port the move's
+    transfer processes listen on (page server, lazy dump, pump: found from their pids) and asks
+    for a page as the lazy-pages daemon would: none answers with a byte of data. A probe that
+    reaches CRIU's one-connection page server before the other agent does ends it, and the move
+    rolls back with the worker serving on its source (a denial of service, never a leak; see
+    docs/security.md). On the session's loopback cluster, not emulated hosts (time)."""
+    import threading
+
+    ctl, wid = relocator_cluster, scan_worker
+    base = ctl.info["base_dir"]
+    st = ctl.status()
+    src = next(w["node"] for w in st["workers"] if w["id"] == wid)
+    dst = next(n["id"] for n in st["nodes"] if n["id"] != src and n["alive"] and n["gpus_free"] >= 1)
+    seen: dict[int, tuple[bytes, bool]] = {}
+    stop = threading.Event()
+
+    def scan() -> None:
+        while not stop.is_set():
+            for port in _listening_ports(_transfer_pids(base)) - set(seen):
+                seen[port] = _probe(port, None)
+            time.sleep(0.005)
+
+    t = threading.Thread(target=scan, daemon=True)
+    t.start()
+    try:
+        rel = ctl.relocate(wid, dst, transfer=transfer)
+    finally:
+        stop.set()
+        t.join(30)
+    print(f"{transfer}: probed {sorted(seen)} -> {[(len(g), c) for g, c in seen.values()]}; move {rel['result']}")
+    assert seen, "no transfer port was seen listening during the move"
+    for port, (got, _closed) in seen.items():
+        assert _no_data(got, tls=False), (port, got[:64])
+    assert rel["result"] in ("done", "rolled_back"), rel
+    assert next(w for w in ctl.status()["workers"] if w["id"] == wid)["state"] == "running"
