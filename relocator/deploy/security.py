@@ -94,9 +94,9 @@ def cluster_anonymous_access() -> bool:
     import ray
 
     def probe() -> bool:
-        from ray._private.worker import global_worker
+        import ray
 
-        return anonymous_gcs_access(global_worker.node.gcs_address)
+        return anonymous_gcs_access(ray.get_runtime_context().gcs_address)
 
     return ray.get(ray.remote(probe).options(num_cpus=0).remote(), timeout=120)
 
