@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from relocator.agent.pagestream import TailHasher, complete_manifest, is_page_file, landed
-from relocator.agent.postcopy import PSI, PS_IOV_CLOSE, PS_IOV_GET, Keeper, _Proxy, read_state
+from relocator.agent.postcopy import PSI, PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE, PS_IOV_GET, Keeper, _Proxy, read_state
 from relocator.agent.transfer import TransferError, iter_chunks, receive_chunks
 from relocator.controller.backend import postcopy_problems
 from relocator.snapshot import images
@@ -226,7 +226,9 @@ def test_proxy_answers_the_daemon_in_the_order_it_asked() -> None:
     px.flush(Sink())
     assert Sink.sent == _answer(7, 0x1000, 1, b"f") + _answer(10, 0x11000, 1, b"a")
     assert px.served_bytes == 2 * 4096 and not px.up_q
-    px.from_daemon(_req(PS_IOV_CLOSE))
+    # the daemon on the keeper's socket pair (--ps-socket) closes with FORCE_CLOSE: the source
+    # gets the CLOSE it always got
+    assert px.from_daemon(_req(PS_IOV_FORCE_CLOSE)) == [_req(PS_IOV_CLOSE)]
     assert px.up_q and not px.closed and px.next_prefetch() == []
     px.from_source(memoryview(b"\0\0\0\0"))
     px.flush(Sink())

@@ -596,7 +596,9 @@ class _Proxy:
             if cmd in (PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE):
                 self.closing = True
                 self.up_q.append(("close", 0, 0, 0, slot))
-                out.append(raw)
+                # a daemon on a passed socket (--ps-socket, the keeper's socket pair) says
+                # FORCE_CLOSE; the source gets the CLOSE of a daemon connected by TCP, as before
+                out.append(raw if cmd == PS_IOV_CLOSE else PSI.pack(PS_IOV_CLOSE, n, vaddr, pid))
                 continue
             busy = False
             if cmd == PS_IOV_GET:
