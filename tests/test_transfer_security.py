@@ -126,10 +126,21 @@ def _listening_ports(pids: set[int]) -> set[int]:
 
 def _transfer_pids(base: str) -> set[int]:
     """The transfer processes of the cluster at `base` running now: CRIU page servers, lazy
-    dumps and lazy-pages daemons, keepers, pumps (relocator.chaos.leaks)."""
-    from relocator.chaos.leaks import transfer_processes
+    dumps and lazy-pages daemons, keepers, pumps, whose directories are under `base` or its
+    tmpfs root (a stream target's image, relocator.agent.transient)."""
+    from relocator.agent.transient import transient_root
+    from relocator.procs import process_table
 
-    return {int(p.split(":", 1)[0]) for p in transfer_processes(Path(base))}
+    roots = (str(Path(base).resolve()), str(transient_root(base)))
+    out = set()
+    for pid, (_, argv) in process_table().items():
+        if not argv or not any(r in a for a in argv for r in roots):
+            continue
+        criu = argv[0].endswith("criu") and ("page-server" in argv[1:2] or "lazy-pages" in argv[1:2]
+                                             or ("dump" in argv[1:2] and "--lazy-pages" in argv))
+        if criu or "relocator.agent.postcopy" in argv or "relocator.agent.pump" in argv:
+            out.add(int(pid))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +174,7 @@ def test_port_scan_during_a_move_finds_no_transfer_port_that_serves(relocator_cl
         while not stop.is_set():
             for port in _listening_ports(_transfer_pids(base)) - set(seen):
                 seen[port] = _probe(port, None)
-            time.sleep(0.005)
+            time.sleep(0.02)
 
     t = threading.Thread(target=scan, daemon=True)
     t.start()
