@@ -1,6 +1,7 @@
 """The scheduling layer end to end, continued (issue 13), on the session's local Ray cluster
 (3 nodes x 4 fake GPUs) with reference-engine workers (ready in ~1.5 s), real CRIU and the real
-router: a time limit suspends and requeues a worker that the reconcile loop then restores; a
+router: a worker past its time limit serves on until a launch needs its GPUs, which suspends and
+requeues it, and the reconcile loop restores it once that launch stops; a
 drain with a deadline moves what fits and suspends the rest, which resumes elsewhere when room
 returns; chaos's make-room steps, one of them with a failing move (the plan stops, every worker
 serves, the demand stays pending). Under streaming load: 0 client errors, 0 lost, duplicated or
@@ -37,32 +38,59 @@ def stop_all(ctl, ids) -> None:
                 time.sleep(0.5)
 
 
-def test_time_limit_suspends_requeues_and_restores(relocator_cluster) -> None:
+def test_time_limit_makes_a_worker_preemptible_and_a_demand_requeues_it(relocator_cluster) -> None:
+    """Past its limit a worker serves on while nobody waits (no suspend, no blackout); a launch
+    that finds no other room suspends it (time_limit), takes its GPUs, and once that launch
+    stops the reconcile loop restores it with a fresh limit."""
+    import ray
+    from ray.util import placement_group
+
     ctl = relocator_cluster
-    w = ctl.launch(MODEL, 1, engine=ENGINE, time_limit="8s")
+    cursor = ctl._call("events_cursor", timeout=60)
+    w = ctl.launch(MODEL, 1, engine=ENGINE, time_limit="5s")
+    x = None
+    pgs = []
     try:
-        assert w["state"] == "running" and w["time_limit_s"] == 8.0 and w["deadline"], w
+        assert w["state"] == "running" and w["time_limit_s"] == 5.0 and w["deadline"], w
         ref = asyncio.run(reference(ctl.router_url, MODEL, MAX_TOKENS, 2, 2))
-        c0 = continued_streams(ctl.router_url)
         load = Load(ctl.router_url, MODEL, ref, MAX_TOKENS, 2).start()
-        cursor = ctl._call("events_cursor", timeout=60)
-        # at the limit: checkpointed, GPUs released, requeued (its streams wait in the router)
-        wait_for(lambda: workers(ctl)[w["id"]]["suspensions"] >= 1, 60, "time-limit suspend")
-        # ... and restored by the reconcile loop once it has room (at once: its GPUs are free)
+        wait_for(lambda: workers(ctl)[w["id"]]["preemptible"], 60, "past its time limit")
+        time.sleep(6.0)  # three reconcile rounds: the old rule had suspended it by now
+        now = workers(ctl)[w["id"]]
+        assert (now["state"], now["suspensions"]) == ("running", 0), now
+        # another tenant takes every other GPU: a new launch fits only on w's GPU
+        free = {n["id"]: n["gpus_free"] for n in ctl.status()["nodes"] if n["alive"]}
+        for n, f in free.items():
+            if f:
+                pgs.append(placement_group([{"GPU": float(f), f"relocator_node:{n}": 0.001}], strategy="STRICT_PACK",
+                                           name=f"{TENANT}-{n}"))
+        for pg in pgs:
+            ray.get(pg.ready(), timeout=60)
+        x = ctl.launch(MODEL, 1, engine=ENGINE)["id"]
+        ws = workers(ctl)
+        assert ws[x]["state"] == "running" and ws[x]["node"] == now["node"], ws
+        assert ws[w["id"]]["state"] == "suspended" and ws[w["id"]]["suspend_reason"] == "time_limit", ws
+        (d,) = ctl.pending()
+        assert (d["id"], d["kind"]) == (w["id"], "resume"), d
+        ctl.stop_worker(x)
+        x = None
         wait_for(lambda: workers(ctl)[w["id"]]["state"] == "running", 90, "automatic restore")
         load.stop()
-        clean(load.report(), continued_streams(ctl.router_url) - c0)
-        evs = list(ctl.events(since=cursor, kinds=["worker_suspended", "demand_pending", "worker_resumed"],
-                              idle_timeout=1.0, wait_s=1.0))
+        clean(load.report())
+        evs = list(ctl.events(since=cursor, kinds=["worker_preemptible", "worker_suspended", "demand_pending",
+                                                   "worker_resumed"], idle_timeout=1.0, wait_s=1.0))
+        assert [e["kind"] for e in evs][:1] == ["worker_preemptible"], evs
         sus = next(e for e in evs if e["kind"] == "worker_suspended")
         assert (sus["worker"], sus["reason"]) == (w["id"], "time_limit"), sus
-        pend = next(e for e in evs if e["kind"] == "demand_pending")
-        assert (pend["demand"], pend["demand_kind"]) == (w["id"], "resume"), pend
+        pend = next(e for e in evs if e["kind"] == "demand_pending" and e["demand"] == w["id"])
+        assert pend["demand_kind"] == "resume", pend
         assert any(e["kind"] == "worker_resumed" and e["worker"] == w["id"] for e in evs), evs
         now = workers(ctl)[w["id"]]
         assert now["deadline"] and now["deadline"] > time.time() - 1, now  # a fresh limit from the restore
     finally:
-        stop_all(ctl, [w["id"]])
+        for pg in pgs:
+            ray.util.remove_placement_group(pg)
+        stop_all(ctl, [i for i in (x, w["id"]) if i])
     assert ctl.pending() == []
 
 
