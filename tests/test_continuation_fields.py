@@ -122,6 +122,15 @@ def test_vllm_continues_best_of_which_it_ignores():
     assert VLLMCodec().unsupported_reason("completions", {"prompt": "x", "n": 2}) is not None
 
 
+def test_vllm_echo_is_sent_as_it_is():
+    """vLLM drops the echoed prompt text when `return_token_ids` is set: the router must not
+    add it to an echo request (the client would miss its prompt text, with no move at all)."""
+    raw = b'{"model":"m","prompt":"hello","echo":true,"stream":true}'
+    st = StreamState("completions", json.loads(raw), raw, codec=VLLMCodec())
+    assert st.unsupported == "echo" and not st.track
+    assert st.use(VLLMCodec()) == raw
+
+
 def test_inexact_reasons():
     sent = [1, 2, 1]
     assert inexact_reasons("completions", {"temperature": 0, "frequency_penalty": 1}, sent) == []
@@ -286,3 +295,25 @@ async def test_vllm_chat_with_logprobs_survives_a_break(vllm_server, vllm_server
         assert (x["token"], x["bytes"]) == (y["token"], y["bytes"])
         assert [t["token"] for t in x["top_logprobs"]] == [t["token"] for t in y["top_logprobs"]]
         assert y["logprob"] == pytest.approx(x["logprob"], abs=1e-3)
+
+
+@pytest.mark.integration
+@pytest.mark.asyncio(loop_scope="session")
+async def test_vllm_echo_stream_through_the_router_keeps_the_prompt_text(vllm_server,
+                                                                         tiny_model_dir):
+    import aiohttp
+
+    from tests.test_router_vllm import _body, _read_sse, _router, _text
+
+    body = _body(vllm_server.model, False, echo=True, max_tokens=8)
+    srv = await _router(vllm_server, tokenizer=tiny_model_dir)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(vllm_server.base_url + "/v1/completions", json=body) as r:
+                ref = await _read_sse(r)
+            async with s.post(srv.url + "/v1/completions", json=body) as r:
+                got = await _read_sse(r)
+    finally:
+        await srv.stop()
+    assert _text(ref, False).startswith(body["prompt"])
+    assert _text(got, False) == _text(ref, False)

@@ -37,6 +37,11 @@ class Codec(ContinuationCodec):
                 return "several prompts in one request"
             if body.get("suffix"):
                 return "suffix"
+            if body.get("echo"):
+                # vLLM leaves the echoed prompt text out when token ids are asked for
+                # (completion/serving.py: `if request.return_token_ids: prompt_text = ""`),
+                # so tracking would change what the client reads: sent as it is
+                return "echo"
         else:
             for k in ("tools", "response_format", "structured_outputs", "guided_json",
                       "guided_regex", "guided_choice", "guided_grammar"):
