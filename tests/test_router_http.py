@@ -172,8 +172,8 @@ async def test_continuation_impossible_gives_error_event(env):
     srv, fakes, s = env
     fakes[0][0].knobs.cut_after = 3
     raw, got = await sse(s, srv.url + "/v1/completions", {
-        "model": "fake", "prompt": "a", "max_tokens": 10, "stream": True, "n": 2})
-    assert got[-1]["error"]["code"] == "continuation_failed"
+        "model": "fake", "prompt": "a", "max_tokens": 10, "stream": True, "use_beam_search": True})
+    assert got[-1]["error"]["code"] == "continuation_failed"  # n > 1 is continued now (fan-out)
 
 
 async def test_break_without_sibling_errors_cleanly(env):
@@ -336,3 +336,35 @@ async def test_control_add_checks_the_tokenizer_path(env, tmp_path):
         assert "w3" not in json.dumps(await rc.replicas())
         await rc.add_replica("w3", "other", fakes[1][1], tokenizer=str(tmp_path))
     assert srv.tokenizers.load("other") is not None
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+async def test_n_choices_each_continued_on_their_own(env, kind):
+    """`n > 1` used to end with continuation_failed at every move: each choice is now a stream
+    of its own (seed + index, as vLLM's child requests), continued alone and merged back."""
+    srv, fakes, s = env
+    rc = RouterControl(srv.control_url)
+    await rc.add_replica("w2", "fake", fakes[1][1])
+    await rc.close()
+    path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
+    base = {"model": "fake", "max_tokens": 12, "stream": True, "seed": 7,
+            "stream_options": {"include_usage": True}}
+    base.update({"prompt": "abc"} if kind == "completions" else
+                {"messages": [{"role": "user", "content": "abc"}]})
+    _, ref = await sse(s, fakes[1][1] + path, dict(base, n=1))
+    fakes[0][0].knobs.token_delay_s = 0.005  # each event on the wire before the cut
+    fakes[0][0].knobs.cut_after = 4  # one of the choices breaks mid-stream
+    _, got = await sse(s, srv.url + path, dict(base, n=3))
+    assert {c["id"] for c in got} == {got[0]["id"]}
+    for i in range(3):
+        mine = [c for c in got if c["choices"] and c["choices"][0]["index"] == i]
+        assert text_of(mine, kind) == text_of(ref, kind), i
+        assert mine[-1]["choices"][0]["finish_reason"] == "length"
+    usage = [c for c in got if c.get("usage")]
+    assert len(usage) == 1 and not usage[0]["choices"], usage  # one usage chunk, at the end
+    assert usage[0]["usage"]["completion_tokens"] == 3 * 12
+    assert usage[0]["usage"]["prompt_tokens"] == ref[-1]["usage"]["prompt_tokens"]
+    parts = [r for r in fakes[0][0].requests + fakes[1][0].requests if r.get("n") == 1]
+    assert sorted({r["seed"] for r in parts}) == [7, 8, 9]
+    conts = [r for f in fakes for r in f[0].requests if isinstance(r.get("prompt"), list)]
+    assert len(conts) == 1, [f[0].requests for f in fakes]  # the broken choice was continued, the others untouched

@@ -19,7 +19,7 @@ from typing import AsyncIterator, Awaitable, Callable, Mapping, Protocol
 from adapters.base import DEFAULT_ENGINE, get_codec
 from adapters.codec import ContinuationCodec, Kind
 
-from . import errors
+from . import errors, fanout
 from .errors import RouterError
 from .stream import DONE, StreamState
 from .tokenizers import TokenizerRegistry
@@ -249,6 +249,8 @@ class RouterCore:
     # ---- streaming -----------------------------------------------------------------------
     async def _stream(self, kind: Kind, raw: bytes, body: dict, model: str, key: str | None,
                       t0: float) -> Unary | Stream:
+        if self.continuation and fanout.wants_fan_out(kind, body):
+            return await self._fan_out(kind, body, model, key, t0)
         st = StreamState(kind, body, raw, continuation=self.continuation)
         path = PATHS[kind]
         tried: list[str] = []
@@ -290,6 +292,23 @@ class RouterCore:
                 self.hooks.request_done(r.worker_id, resp.status)
                 return Unary(resp.status, data, resp.content_type or "application/json")
             return Stream(self._pump(st, model, path, r, handle, resp, t0, patience))
+
+    async def _fan_out(self, kind: Kind, body: dict, model: str, key: str | None,
+                       t0: float) -> Unary | Stream:
+        """`n > 1`: one stream per choice, each continued on its own when its worker moves,
+        merged into the client's one stream (router/fanout.py)."""
+        subs = fanout.part_bodies(body)
+        got = await asyncio.gather(*(self._stream(kind, json.dumps(sub).encode(), sub, model, key, t0)
+                                     for sub in subs), return_exceptions=True)
+        streams = [g for g in got if isinstance(g, Stream)]
+        refused = next((g for g in got if not isinstance(g, Stream)), None)
+        if refused is not None:  # one part was refused before any byte: so is the request
+            for s in streams:
+                await s.chunks.aclose()  # type: ignore[attr-defined]
+            if isinstance(refused, BaseException):
+                raise refused
+            return refused
+        return Stream(fanout.merged(body, [s.chunks for s in streams]))  # type: ignore[misc]
 
     def _leave(self, r: Replica, handle: StreamHandle) -> None:
         self.table.unregister(r, handle)
