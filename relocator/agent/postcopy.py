@@ -396,6 +396,28 @@ def _recv_some(sock: socket.socket, buf: bytearray) -> int | None:
         sock.settimeout(timeout)
 
 
+def _knock(address: str, port: int) -> None:
+    """Connect to a lazy dump's page server as a keeper would (TLS, this node's certificate: a
+    refused handshake would fail the dump and let its tree run) and leave at once, cleanly: it
+    then ends as after a session, the tree stopped."""
+    from relocator.credentials import client_context
+
+    sock = _connect(address, port, 2.0, client_context())
+    try:
+        if isinstance(sock, ssl.SSLSocket):
+            sock.settimeout(0.3)
+            try:  # take in the server's records after the handshake (TLS 1.3 session tickets):
+                sock.recv(1)  # a socket closed with them unread resets the connection
+            except OSError:
+                pass
+            try:
+                sock = sock.unwrap()  # close_notify: CRIU reads the end of the session
+            except OSError:
+                pass
+    finally:
+        sock.close()
+
+
 def _pending(sock: socket.socket) -> bool:
     return isinstance(sock, ssl.SSLSocket) and sock.pending() > 0
 
@@ -856,10 +878,8 @@ class LazySource:
             return "not running"
         pid, port, address = info["pid"], info["port"], info["address"]
         how = "connected and closed"
-        try:  # as the keeper would (TLS, this node's certificate): a refused handshake would fail the dump
-            from relocator.credentials import client_context
-
-            _connect(address, port, 2.0, client_context()).close()
+        try:
+            _knock(address, port)
         except (OSError, RuntimeError):
             how = "socket destroyed"
             subprocess.run(["ss", "-K", "-t", "state", "established", f"( sport = :{port} )"],
