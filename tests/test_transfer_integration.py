@@ -90,7 +90,8 @@ def test_postcopy_restore_completes_token_identical(worker_cell, ref, tmp_path) 
         while (read_state(copy.dir) or {}).get("state") not in ("done", "failed") and time.monotonic() < deadline:
             time.sleep(0.05)
         st = read_state(copy.dir)
-        assert st["state"] == "done", st
+        assert st["state"] == "done", {k: st.get(k) for k in ("why", "error", "page_bytes", "lazy_bytes", "pushed_bytes",
+                                                              "prefill_bytes", "daemon_rc", "requests")}
         assert st["page_bytes"] >= 0.9 * st["lazy_bytes"] > 0
         assert proc.wait(30) == 0 and worker_cell.is_stopped()  # every page served: the tree left stopped
         assert asyncio.run(_greedy(copy.endpoint)) == ref  # and the copy runs on, all its memory there

@@ -289,6 +289,9 @@ class _FakeSource:
                     continue
                 if cmd & 0xFFFF == PS_IOV_CLOSE:
                     conn.sendall(b"\0\0\0\0")
+                    if self.tls is not None:  # CRIU under --tls ends its session at once
+                        conn.close()
+                        return
                 else:
                     conn.sendall(PSI.pack(6, nr, vaddr, dst) + b"m" * (nr * 4096))
 
@@ -340,6 +343,28 @@ def test_keeper_relays_and_counts_pages(tmp_path: Path, tls: bool) -> None:
     assert st["page_bytes"] == 3 * 4096 and st["requests"] == 2
     # the daemon did not exit 0: its userfaultfds are gone, the tree must not run on
     assert st["state"] == "failed" and st["why"] == "daemon" and tree.wait(5) == -9
+
+
+def test_keeper_done_when_a_tls_source_ends_its_session_after_the_close(tmp_path: Path) -> None:
+    """CRIU's page server under --tls closes its side right after acknowledging the CLOSE, before
+    the daemon has closed the keeper's: every page is there, so that is not a lost source."""
+    src = _FakeSource(tls=True)
+    k, tree, daemon, t, out = _keeper(tmp_path, src)
+    try:
+        k.daemon = subprocess.Popen(["true"])  # the daemon exits 0 once it has every page
+        daemon.sendall(_req(PS_IOV_GET, 2))
+        got = b""
+        while len(got) < PSI.size + 2 * 4096:
+            got += daemon.recv(65536)
+        daemon.sendall(_req(PS_IOV_FORCE_CLOSE))  # as on the keeper's socket pair
+        assert daemon.recv(4) == b"\0\0\0\0"
+        time.sleep(0.5)  # the source's end of the session reaches the keeper first
+        daemon.close()
+        t.join(10)
+        st = read_state(tmp_path)
+        assert st["state"] == "done" and out["rc"] == 0, st
+    finally:
+        tree.kill()
 
 
 @pytest.mark.parametrize("tls", [False, True])

@@ -218,6 +218,7 @@ class Keeper:
         last_up = time.monotonic()
         self.state(state="running")
         why = error = None
+        up_ended = False  # the source ended its session after acknowledging the CLOSE (TLS does)
         throttle_until = 0.0
         buf = bytearray(1 << 20)
         view = memoryview(buf)
@@ -235,7 +236,8 @@ class Keeper:
             wait = 0.2
             socks = [down if down is not None else lst]
             if now >= throttle_until:
-                socks.append(up)
+                if not up_ended:
+                    socks.append(up)
                 if pump is not None and px.cached < px.cache_cap:
                     quiet = px.last_fault + self.PUMP_QUIET_S - now
                     if quiet <= 0:
@@ -295,10 +297,12 @@ class Keeper:
                     n = _recv_some(up, buf)
                 except OSError as exc:
                     n, error = 0, str(exc)
-                if n == 0:
+                if n == 0 and px.closed and not px.up_q:
+                    up_ended = True  # every page is here and the source said so: the daemon ends next
+                elif n == 0:
                     why, error = "source", f"the source's page server closed the connection {error or ''}".strip()
                     break
-                if n is not None:  # None: TLS, a record not whole yet or none of the source's data (a ticket)
+                if n:  # None: TLS, a record not whole yet or none of the source's data (a ticket)
                     last_up = now
                     try:
                         for req in px.from_source(view[:n]):
