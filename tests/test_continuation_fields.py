@@ -317,3 +317,59 @@ async def test_vllm_echo_stream_through_the_router_keeps_the_prompt_text(vllm_se
         await srv.stop()
     assert _text(ref, False).startswith(body["prompt"])
     assert _text(got, False) == _text(ref, False)
+
+
+def _by_index(chunks) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for c in chunks:
+        for ch in (c.get("choices") or []) if isinstance(c, dict) else []:
+            out[ch["index"]] = out.get(ch["index"], "") + (ch.get("text") or "")
+    return out
+
+
+@pytest.mark.integration
+@pytest.mark.asyncio(loop_scope="session")
+async def test_vllm_n_choices_are_vllms_and_survive_a_break(vllm_server, vllm_server_b,
+                                                            tiny_model_dir):
+    """n > 1 through the router (one request per choice, router/fanout.py) is what vLLM's own
+    n > 1 gives, seeded sampling included (its children use seed + index); a break of one
+    choice's connection is continued instead of ending the stream; greedy n > 1 is still
+    refused by vLLM, as without the router."""
+    import aiohttp
+
+    from tests.test_router_vllm import _CutProxy, _body, _read_sse, _router, _W
+
+    seeded = _body(vllm_server.model, False, n=3, temperature=0.8, seed=11, max_tokens=60)
+    cut = _body(vllm_server.model, False, n=3, temperature=0.8, max_tokens=200)
+    greedy = _body(vllm_server.model, False, n=3, max_tokens=5)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(vllm_server_b.base_url + "/v1/completions", json=seeded) as r:
+            ref = await _read_sse(r)
+        proxy = await _CutProxy.start(vllm_server.base_url, limit=3000, mode="cut")
+        srv = await _router(_W(proxy.url, vllm_server.model), vllm_server_b,
+                            tokenizer=tiny_model_dir)
+        try:
+            async with s.post(srv.url + "/v1/completions", json=cut) as r:
+                assert r.status == 200
+                moved = await _read_sse(r)
+            assert proxy.tripped.is_set()  # the one-shot cut fell in this request
+            async with s.post(srv.url + "/v1/completions", json=seeded) as r:
+                got = await _read_sse(r)
+            async with s.post(srv.url + "/v1/completions", json=greedy) as r:
+                refused = (r.status, await r.json())
+        finally:
+            await srv.stop()
+            await proxy.close()
+    assert refused[0] == 400 and "greedy" in json.dumps(refused[1]), refused
+    assert srv.hooks.cont.labels("ok")._value.get() >= 1
+    for chunks in (moved, got):
+        assert chunks[-1] == "[DONE]"
+        assert not any(isinstance(c, dict) and "error" in c for c in chunks), chunks[-3:]
+        assert len(_by_index(chunks)) == 3
+    assert _by_index(got) == _by_index(ref)  # seeded: vLLM's own n > 1, choice by choice
+
+    def usage(chunks):
+        return [(c["usage"]["prompt_tokens"], c["usage"]["completion_tokens"])
+                for c in chunks if isinstance(c, dict) and c.get("usage")]
+
+    assert usage(got) == usage(ref)[-1:] and usage(moved) == [(usage(ref)[-1][0], 3 * 200)]

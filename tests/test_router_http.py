@@ -347,7 +347,7 @@ async def test_n_choices_each_continued_on_their_own(env, kind):
     await rc.add_replica("w2", "fake", fakes[1][1])
     await rc.close()
     path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
-    base = {"model": "fake", "max_tokens": 12, "stream": True, "seed": 7,
+    base = {"model": "fake", "max_tokens": 12, "stream": True, "seed": 7, "temperature": 0.7,
             "stream_options": {"include_usage": True}}
     base.update({"prompt": "abc"} if kind == "completions" else
                 {"messages": [{"role": "user", "content": "abc"}]})

@@ -25,10 +25,14 @@ MAX_CHOICES = 32
 
 
 def wants_fan_out(kind: str, body: dict) -> bool:
-    """An `n > 1` stream whose choices can each be continued: one prompt, no beam search."""
+    """An `n > 1` stream whose choices can each be continued: one prompt, no beam search,
+    not greedy."""
     n = body.get("n")
     if type(n) is not int or not 1 < n <= MAX_CHOICES or body.get("use_beam_search"):
         return False
+    t = body.get("temperature")
+    if isinstance(t, (int, float)) and t < 1e-5:
+        return False  # vLLM refuses n > 1 with greedy sampling: the engine says so, as before
     if kind == "completions":
         p = body.get("prompt")
         return isinstance(p, str) or (isinstance(p, list) and all(type(t) is int for t in p))
