@@ -62,15 +62,16 @@ def test_a_node_without_credentials_gets_no_plaintext_transfer(tmp_path: Path,
     assert credentials.criu_tls_args() == [] and credentials.server_context() is None
 
 
-def _probe(port: int, tls: ssl.SSLContext | None) -> tuple[bytes, bool]:
-    """Connect without this cluster's credentials and ask for a page as CRIU's lazy-pages daemon
-    would: (what came back, whether the server closed the connection within 5 s)."""
+def _probe(port: int, tls: ssl.SSLContext | None, page: tuple[int, int] = (1, 0x400000)) -> tuple[bytes, bool]:
+    """Connect without this cluster's credentials and ask for a page (pagemap id, vaddr) as
+    CRIU's lazy-pages daemon would: (what came back, whether the server closed the connection
+    within 5 s)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
     got, closed = b"", False
     try:
         if tls is not None:
             sock = tls.wrap_socket(sock)
-        sock.sendall(PSI.pack(PS_IOV_GET, 1, 0x400000, 1))
+        sock.sendall(PSI.pack(PS_IOV_GET, 1, page[1], page[0]))
         while True:
             b = sock.recv(65536)
             if not b:
@@ -114,14 +115,28 @@ def test_page_server_drops_a_client_without_the_clusters_certificate(tmp_path: P
 
 
 # -- the port scan during real moves (the session's loopback cluster) ------------------------------
-def _listening_ports(pids: set[int]) -> set[int]:
-    """TCP ports in LISTEN state held by any of `pids` (ss -tlnp)."""
+def _listening_ports(pids: set[int]) -> dict[int, int]:
+    """{TCP port in LISTEN state: its pid} for any of `pids` (ss -tlnp)."""
     out = subprocess.run(["ss", "-Htlnp"], capture_output=True, text=True).stdout
-    ports = set()
+    ports = {}
     for line in out.splitlines():
-        if any(f"pid={p}," in line for p in pids):
-            ports.add(int(line.split()[3].rsplit(":", 1)[1]))
+        for p in pids:
+            if f"pid={p}," in line:
+                ports[int(line.split()[3].rsplit(":", 1)[1])] = p
     return ports
+
+
+def _a_lazy_page(pid: int) -> tuple[int, int]:
+    """A page a lazy dump (`pid`) really serves: the first lazy run of its image (-D), so that a
+    plaintext server would answer with the worker's memory; a default one for anything else."""
+    from relocator.agent.postcopy import _lazy_ranges
+
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    if "--lazy-pages" in argv and "-D" in argv:
+        runs = _lazy_ranges(Path(argv[argv.index("-D") + 1]))
+        if runs:
+            return runs[0][0], runs[0][1]
+    return 1, 0x400000
 
 
 def _transfer_pids(base: str) -> set[int]:
@@ -172,8 +187,13 @@ def test_port_scan_during_a_move_finds_no_transfer_port_that_serves(relocator_cl
 
     def scan() -> None:
         while not stop.is_set():
-            for port in _listening_ports(_transfer_pids(base)) - set(seen):
-                seen[port] = _probe(port, None)
+            for port, pid in _listening_ports(_transfer_pids(base)).items():
+                if port not in seen:
+                    try:
+                        page = _a_lazy_page(pid)
+                    except OSError:
+                        page = (1, 0x400000)
+                    seen[port] = _probe(port, None, page)
             time.sleep(0.02)
 
     t = threading.Thread(target=scan, daemon=True)

@@ -15,8 +15,9 @@ the daemon has closed its session with CRIU's page server (relocator.agent.postc
 Frames: a header `<QQI` (the pagemap id CRIU and the daemon know the process by, vaddr, bytes)
 then the bytes, over TLS: the keeper must present a certificate of the cluster's CA
 (relocator.credentials); a connection that does not is closed after its failed handshake,
-without a byte of memory, and the pump goes on waiting for the keeper. The pump exits once everything is sent or the keeper goes away, when the lazy
-dump it belongs to ends, or when no keeper connects in time.
+without a byte of memory, and the pump goes on waiting for the keeper. The pump exits once
+everything is sent or the keeper goes away, when the lazy dump it belongs to ends, or when no
+keeper connects in time.
 """
 
 from __future__ import annotations
