@@ -23,6 +23,7 @@ from typing import Any
 ENV_DIR = "RELOCATOR_CREDENTIALS"  # a node's credentials directory (what `install` wrote)
 ENV_KEY = "RELOCATOR_IMAGE_KEY"  # by-hand commands: the image key itself, instead of a directory
 ENV_INSECURE = "RELOCATOR_INSECURE_TRANSFERS"  # by-hand commands only: "1" = plaintext transfers
+ENV_MACHINE_KEY = "RELOCATOR_MACHINE_KEY_FILE"  # by-hand commands: this machine's own image key
 CA, CERT, KEY, IMAGE_KEY = "ca.pem", "node.pem", "node.key", "image.key"
 CLUSTER_FILE = "cluster-credentials.json"  # `up`: the cluster's CA key and image key, 0600
 FIX = ("run it under `relocator up` or `relocator deploy` (they give every agent its credentials), or "
@@ -168,6 +169,33 @@ def image_key() -> bytes:
         return key.encode()
     raise CredentialsError(f"this node has no image key (neither {ENV_DIR} nor {ENV_KEY} is set): images cannot be "
                            f"signed or checked; {FIX}, or set {ENV_KEY}")
+
+
+def machine_key_file() -> Path:
+    return Path(os.environ.get(ENV_MACHINE_KEY, "/var/lib/relocator/machine-image.key"))
+
+
+def use_machine_key() -> Path | None:
+    """By-hand commands on one machine (`relocator snapshot ...`, `relocator bench snapshot`):
+    without cluster credentials or RELOCATOR_IMAGE_KEY, images are signed and checked with this
+    machine's own key (made 0600 on first use, root's), so an image made here by hand restores
+    here and nowhere else. Agents never call it: a node without its cluster's key fails loudly.
+    Returns the key file used, or None when the process already has a key."""
+    if _dir() is not None or os.environ.get(ENV_KEY):
+        return None
+    path = machine_key_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:  # O_EXCL: two first uses at once agree on one key
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_hex(32))
+    except FileExistsError:
+        pass
+    key = path.read_text().strip()
+    if not key:
+        raise CredentialsError(f"the machine's image key {path} is empty: remove it to make a new one")
+    os.environ[ENV_KEY] = key
+    return path
 
 
 def insecure() -> bool:

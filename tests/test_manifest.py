@@ -182,3 +182,29 @@ def test_stamp_of_another_manifest_is_not_fresh(image: Path) -> None:
     write_stamp(image, m)
     other = m.model_copy(update={"digest": "0" * 64})
     assert not stamp_is_fresh(image, other)
+
+
+def test_by_hand_commands_sign_with_the_machines_own_key(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`relocator snapshot ...` by hand, with no cluster: one key per machine (0600), made once;
+    a cluster's credentials, when given, win."""
+    from typer.testing import CliRunner
+
+    from relocator import credentials
+    from relocator.cli import _register, app
+
+    _register()
+    monkeypatch.delenv(credentials.ENV_DIR, raising=False)
+    monkeypatch.delenv(credentials.ENV_KEY, raising=False)
+    monkeypatch.setenv(credentials.ENV_MACHINE_KEY, str(tmp_path / "m" / "machine.key"))
+    with pytest.raises(credentials.CredentialsError):
+        credentials.image_key()  # an agent's view: no key is an error, never a default
+    res = CliRunner().invoke(app, ["snapshot", "inspect", str(tmp_path / "none")])
+    assert res.exit_code != 0 and "no such image" in res.output and "image key" not in res.output
+    key_file = tmp_path / "m" / "machine.key"
+    assert (key_file.stat().st_mode & 0o777) == 0o600
+    first = credentials.image_key()
+    monkeypatch.delenv(credentials.ENV_KEY)
+    assert credentials.use_machine_key() == key_file and credentials.image_key() == first
+    monkeypatch.setenv(credentials.ENV_KEY, "given")
+    assert credentials.use_machine_key() is None and credentials.image_key() == b"given"

@@ -21,7 +21,9 @@ def bench_snapshot(
 ) -> None:
     """Cold start vs restore to first token, dump time, image size vs RSS, restore vs memcpy speed."""
     from relocator.bench.snapshot import run
+    from relocator.credentials import use_machine_key
 
+    use_machine_key()  # a single-machine benchmark: this machine's image key unless given one
     result = asyncio.run(run(image_root, log=lambda m: err.print(f"[dim]{m}[/]")))
     if json_out:
         print_json(result)

@@ -18,6 +18,14 @@ from relocator.snapshot.snapshot import VerifyMode
 
 cell_app = typer.Typer(help="Worker cells on this node (own PID/mount/IPC/UTS/net namespaces).", no_args_is_help=True)
 snapshot_app = typer.Typer(help="Dump a cell to an image, restore an image to a new cell, inspect images.", no_args_is_help=True)
+
+
+@snapshot_app.callback()
+def _snapshot_keys() -> None:
+    """Images made by hand are signed with this machine's key unless a cluster's is given."""
+    from relocator.credentials import use_machine_key
+
+    use_machine_key()
 app.add_typer(cell_app, name="cell")
 app.add_typer(snapshot_app, name="snapshot")
 
