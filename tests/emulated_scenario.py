@@ -112,8 +112,11 @@ def refusals(address: str) -> dict:
     from relocator.deploy import DeployConfig, DeployError, deploy, undeploy
 
     out = {"first_undeploy": undeploy(address)}
-    for what, cfg in (("shared", DeployConfig(nodes={"fake_gpus": True}, controller={"transfer": "shared"})),
-                      ("fake_gpus", DeployConfig())):
+    # insecure: emulated hosts have no Ray token or router key (docs/deploy.md); the refusals
+    # checked here are the hosts' own (shared storage, fake GPUs)
+    for what, cfg in (("shared", DeployConfig(nodes={"fake_gpus": True}, controller={"transfer": "shared"},
+                                              insecure=True)),
+                      ("fake_gpus", DeployConfig(insecure=True))):
         try:
             deploy(address, cfg)
             out[f"refused_{what}"] = None
@@ -121,11 +124,11 @@ def refusals(address: str) -> dict:
         except DeployError as exc:
             out[f"refused_{what}"] = {"error": str(exc), "failed": {h: r["failed"] for h, r in exc.report.items()}}
     # the controller's node chosen by name (the NodeAffinity path; h1 is also the head)
-    dep = deploy(address, DeployConfig(nodes={"fake_gpus": True}, controller={"node": "h1"}))
+    dep = deploy(address, DeployConfig(nodes={"fake_gpus": True}, controller={"node": "h1"}, insecure=True))
     out["redeploy"] = {"id": dep["id"], "nodes": sorted(dep["nodes"]), "controller": dep["controller_node"]["hostname"],
                        "preflight": {h: r["ok"] for h, r in dep["preflight"].items()}}
     try:
-        deploy(address, DeployConfig(nodes={"fake_gpus": True}))
+        deploy(address, DeployConfig(nodes={"fake_gpus": True}, insecure=True))
         out["second_deploy"] = "accepted"
     except DeployError as exc:
         out["second_deploy"] = str(exc)
