@@ -18,7 +18,37 @@ from tests.helpers import clean, continued_streams, wait_for, workers
 pytestmark = pytest.mark.integration
 MODEL = "tiny-llama"
 MAX_TOKENS = 96
-TENANT = "test-tenant-n3"  # another tenant's reservation: not a worker, never moved
+TENANT = "test-tenant-n3"
+LONG_TOKENS = 1800  # seconds of streaming on the tiny CPU model (ignore_eos; max_model_len 2048)
+
+
+class _LongStream:
+    """One greedy stream of `tokens` tokens through the router, on a thread of its own."""
+
+    def __init__(self, url: str, tokens: int) -> None:
+        import concurrent.futures
+
+        self.url, self.tokens = url, tokens
+        self._pool = concurrent.futures.ThreadPoolExecutor(1)
+        self._fut = None
+
+    def start(self) -> "_LongStream":
+        import aiohttp
+
+        from relocator.cluster.streams import stream_once
+
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                return await stream_once(s, self.url, MODEL, "a long stream across the suspend", self.tokens)
+
+        self._fut = self._pool.submit(asyncio.run, go())
+        return self
+
+    def result(self, timeout: float):
+        try:
+            return self._fut.result(timeout)
+        finally:
+            self._pool.shutdown(wait=False)  # another tenant's reservation: not a worker, never moved
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +90,11 @@ def test_make_room_launch_under_load(relocator_cluster, pair) -> None:
         ctl.launch(MODEL, gpus=4, make_room=False)  # today's behaviour, kept on request
     plan = ctl.launch(MODEL, gpus=4, dry_run=True)["plan"]
     assert plan["how"] == "make_room" and len(plan["moves"]) == 1 and plan["node"] in ("n1", "n2"), plan
-    c0 = continued_streams(ctl.router_url)
     load = Load(ctl.router_url, MODEL, state["ref"], MAX_TOKENS, 4).start()
     time.sleep(1.0)
     w = ctl.launch(MODEL, gpus=4)
     load.stop()
-    clean(load.report(), continued_streams(ctl.router_url) - c0)
+    clean(load.report())
     assert w["state"] == "running" and w["node"] == plan["node"] and len(w["moves"]) == 1, w
     ws = workers(ctl)
     assert {x["node"] for k, x in ws.items() if k in (wa, wb)} == {"n1", "n2"} - {plan["node"]}
@@ -87,7 +116,6 @@ def test_priority_preempts_then_resumes_automatically(relocator_cluster, pair) -
     ctl = relocator_cluster
     wa, wb, state = pair
     big = state["big"]
-    c0 = continued_streams(ctl.router_url)
     load = Load(ctl.router_url, MODEL, state["ref"], MAX_TOKENS, 4).start()
     time.sleep(1.0)
     hi = ctl.launch(MODEL, gpus=4, priority=1)
@@ -98,7 +126,7 @@ def test_priority_preempts_then_resumes_automatically(relocator_cluster, pair) -
     ctl.stop_worker(hi["id"])
     wait_for(lambda: workers(ctl)[big]["state"] == "running", 120, "automatic resume")
     load.stop()
-    clean(load.report(), continued_streams(ctl.router_url) - c0)
+    clean(load.report())
     assert ctl.pending() == []
     ctl.stop_worker(big)
 
@@ -109,7 +137,6 @@ def test_suspend_resume_with_a_sibling_then_consolidate(relocator_cluster, pair)
     ctl = relocator_cluster
     wa, wb, state = pair
     ray.util.remove_placement_group(state.pop("pg"))  # n3 is free from now on
-    c0 = continued_streams(ctl.router_url)
     load = Load(ctl.router_url, MODEL, state["ref"], MAX_TOKENS, 4).start()
     time.sleep(1.0)
     sus = ctl.suspend(wa)
@@ -118,18 +145,17 @@ def test_suspend_resume_with_a_sibling_then_consolidate(relocator_cluster, pair)
     res = ctl.resume(wa, node="n3")
     time.sleep(1.0)
     load.stop()
-    clean(load.report(), continued_streams(ctl.router_url) - c0)
+    clean(load.report())
     ws = workers(ctl)
     assert (ws[wa]["state"], ws[wa]["node"], ws[wa]["suspensions"]) == ("running", "n3", 1), res
     # two 1-GPU workers on two nodes: one live move frees a node
     plan = ctl.consolidate(dry_run=True)
     assert len(plan["moves"]) == 1 and len(plan["nodes_freed"]) == 1, plan
-    c0 = continued_streams(ctl.router_url)
     load = Load(ctl.router_url, MODEL, state["ref"], MAX_TOKENS, 4).start()
     time.sleep(1.0)
     out = ctl.consolidate()
     load.stop()
-    clean(load.report(), continued_streams(ctl.router_url) - c0)
+    clean(load.report())
     assert out["nodes_freed"] == plan["nodes_freed"] and [m["result"] for m in out["moves"]] == ["done"], out
     assert out["moves"][0]["blackout_s"] > 0 and out["gpus_moved"] == 1
     ws = workers(ctl)
@@ -140,8 +166,11 @@ def test_suspend_without_sibling_holds_then_continues_after_resume(relocator_clu
     ctl = relocator_cluster
     wa, wb, state = pair
     ctl.stop_worker(wb)
-    c0 = continued_streams(ctl.router_url)
     load = Load(ctl.router_url, MODEL, state["ref"], MAX_TOKENS, 4).start()
+    # one stream far longer than the time from HOLD to the freeze: it is in flight when the
+    # worker is checkpointed, whatever the short ones do, so it must be continued after the resume
+    c0 = continued_streams(ctl.router_url)
+    long_one = _LongStream(ctl.router_url, LONG_TOKENS).start()
     time.sleep(1.5)
     src = workers(ctl)[wa]["node"]
     sus = ctl.suspend(wa)
@@ -151,6 +180,8 @@ def test_suspend_without_sibling_holds_then_continues_after_resume(relocator_clu
     time.sleep(1.0)
     load.stop()
     rep = load.report()
+    got = long_one.result(300)
+    assert not got.error and len(got.tokens) == LONG_TOKENS and got.finish_reason == "length", got.error
     clean(rep, continued_streams(ctl.router_url) - c0)
     assert res["node"] and workers(ctl)[wa]["state"] == "running", res
     assert sus["node"] == src

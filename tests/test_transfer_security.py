@@ -165,6 +165,22 @@ def scan_worker(relocator_cluster):
     relocator_cluster.stop_worker(w["id"])
 
 
+def _probe_a_target_page_server(node: str, base: str) -> dict[int, tuple[bytes, bool]]:
+    """The page server a stream move's DUMP opens on its target (the agent's open_page_server),
+    probed before any source connects, then removed."""
+    import ray
+
+    from relocator.agent import NAMESPACE, agent_name
+
+    agent = ray.get_actor(agent_name(node), namespace=NAMESPACE)
+    image_dir = str(Path(base) / "nodes" / node / "images" / "port-scan-probe")
+    ps = ray.get(agent.open_page_server.remote(image_dir), timeout=60)
+    try:
+        return {ps["port"]: _probe(ps["port"], None)}
+    finally:
+        ray.get(agent.remove_image.remote(image_dir), timeout=60)
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("transfer", ["stream", "postcopy"])
 def test_port_scan_during_a_move_finds_no_transfer_port_that_serves(relocator_cluster, scan_worker,
@@ -199,6 +215,10 @@ def test_port_scan_during_a_move_finds_no_transfer_port_that_serves(relocator_cl
     t = threading.Thread(target=scan, daemon=True)
     t.start()
     try:
+        if transfer == "stream":
+            # a stream target's page server listens only until the source connects, which can
+            # be sooner than a scan comes round: one opened as DUMP opens it, probed for sure
+            seen.update(_probe_a_target_page_server(dst, base))
         rel = ctl.relocate(wid, dst, transfer=transfer)
     finally:
         stop.set()
