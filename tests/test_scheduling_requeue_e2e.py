@@ -16,7 +16,7 @@ import time
 import pytest
 
 from relocator.cluster.streams import Load, reference
-from tests.helpers import clean, continued_streams, wait_for, workers
+from tests.helpers import clean, wait_for, workers
 
 pytestmark = pytest.mark.integration
 MODEL = "tiny-llama"
@@ -110,7 +110,6 @@ def test_drain_by_moves_what_fits_and_suspends_the_rest(relocator_cluster) -> No
         for pg in pgs:
             ray.get(pg.ready(), timeout=60)
         ref = asyncio.run(reference(ctl.router_url, MODEL, MAX_TOKENS, 2, 2))
-        c0 = continued_streams(ctl.router_url)
         load = Load(ctl.router_url, MODEL, ref, MAX_TOKENS, 2).start()
         time.sleep(1.0)
         out = ctl.drain("n1", by="90s")
@@ -131,7 +130,7 @@ def test_drain_by_moves_what_fits_and_suspends_the_rest(relocator_cluster) -> No
         ctl.stop_worker(c)
         wait_for(lambda: workers(ctl)[sus["worker"]]["state"] == "running", 90, "resume after the drain")
         load.stop()
-        clean(load.report(), continued_streams(ctl.router_url) - c0)
+        clean(load.report())  # siblings take new requests at HOLD: a continuation is not guaranteed
         ws = workers(ctl)
         assert ws[sus["worker"]]["node"] != "n1" and ws[moved]["node"] == "n3", ws
         assert ctl.pending() == []

@@ -49,7 +49,7 @@ def _move(ctl, wid: str, ref: Reference, transfer: str) -> tuple[dict, dict]:
     res = relocate_under_load(ctl, wid, dst, MODEL, concurrency=8, max_tokens=MAX_TOKENS, ref=ref,
                               transfer=transfer)
     rel, load = res["relocation"], res["load"]
-    assert rel["result"] == "done", rel
+    assert rel["result"] == "done", (rel.get("error"), rel.get("rollback"), rel.get("postcopy"))
     assert load["client_errors"] == 0, load["errors"]
     assert (load["tokens_lost"], load["tokens_duplicated"], load["tokens_mismatched"]) == (0, 0, 0)
     assert load["text_mismatched"] == 0, load["text_bad"]
