@@ -18,6 +18,7 @@ from typing import Any, AsyncGenerator, AsyncIterator
 from adapters.codec import dumps
 
 from .errors import RouterError
+from .stream import lax_bool
 
 DONE = b"data: [DONE]\n\n"
 #: more choices than this are sent as they are (one request, not continued on a move)
@@ -57,8 +58,10 @@ class Merge:
 
     def __init__(self, body: dict, n: int) -> None:
         so = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
-        self.include_usage = bool(so.get("include_usage"))
-        self.continuous = bool(so.get("continuous_usage_stats"))
+        # the flags as StreamState (and vLLM) read them: "false" is false, per-chunk usage
+        # only with include_usage
+        self.include_usage = lax_bool(so.get("include_usage"))
+        self.continuous = self.include_usage and lax_bool(so.get("continuous_usage_stats"))
         self.id: str | None = None
         self.created: Any = None
         self.tmpl: dict = {}
