@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -14,12 +13,7 @@ from pathlib import Path
 
 from adapters.base import EngineAdapter, LaunchSpec
 from relocator.paths import tail
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from relocator.ports import free_port
 
 
 @dataclass

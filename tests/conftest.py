@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from adapters.base import LaunchSpec, get_adapter
-from relocator.local_worker import LocalWorker, free_port, start_local_worker
+from relocator.local_worker import LocalWorker, start_local_worker
+from relocator.ports import free_port
 
 MODEL_NAME = "tiny-llama"
 

@@ -16,7 +16,7 @@ import pytest
 from relocator.bench.moveproxy import MoveProxy
 from relocator.gateways.envoy import EnvoyProc, bootstrap, envoy_binary
 from relocator.gateways.epp import EppGateway
-from relocator.local_worker import free_port
+from relocator.ports import free_port
 from relocator.router.client import RouterControl
 from relocator.router.config import BackendConfig, RouterSettings
 from relocator.router.fakeserver import Knobs, start_fake, write_fake_tokenizer

@@ -197,7 +197,7 @@ async def test_cli_serves_and_stops(tmp_path):
 
     import yaml
 
-    from relocator.local_worker import free_port
+    from relocator.ports import free_port
 
     bad = subprocess.run([sys.executable, "-m", "relocator", "gateway", "epp", "-b", "nourl"],
                          capture_output=True, text=True, timeout=60)

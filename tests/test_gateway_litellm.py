@@ -16,7 +16,7 @@ import pytest
 
 from relocator.bench.moveproxy import MoveProxy
 from relocator.gateways.litellm_proxy import LITELLM_VERSION, LiteLLMProxy, available, plugin_config
-from relocator.local_worker import free_port
+from relocator.ports import free_port
 from relocator.router.client import RouterControl
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session")]

@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from loadtests.abuse import AbuseConfig, listener_pid, loopback_target, proc_stats, run_abuse
-from relocator.router.bench import _free_port, _Proc, _wait_http
+from relocator.ports import free_port
+from relocator.router.bench import _Proc, _wait_http
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -25,7 +26,7 @@ KNOWN: set[tuple[str, str]] = set()  # findings accepted for now: none
 @pytest.fixture
 async def router_proc():
     py = sys.executable
-    bport, rport, cport = _free_port(), _free_port(), _free_port()
+    bport, rport, cport = free_port(), free_port(), free_port()
     procs = [_Proc([py, "-m", "relocator.router.fakeserver", "--port", str(bport),
                     "--model", "fake", "--tokens", "16"])]
     try:

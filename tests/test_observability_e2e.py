@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from relocator.cluster.scenario import relocate_under_load
-from relocator.local_worker import free_port
+from relocator.ports import free_port
 
 pytestmark = pytest.mark.integration
 MODEL = "tiny-llama"

@@ -16,7 +16,8 @@ import pytest
 
 from adapters.base import LaunchSpec, get_adapter, get_codec
 from loadtests.cutproxy import RepeatCutProxy
-from relocator.local_worker import LocalWorker, free_port, start_local_worker
+from relocator.local_worker import LocalWorker, start_local_worker
+from relocator.ports import free_port
 
 MODEL = "tiny-llama"
 

@@ -17,17 +17,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from relocator.ports import free_port
 from relocator.router.client import RouterControl
 from relocator.router.fakeserver import Knobs, start_fake
 
 REPO = Path(__file__).resolve().parents[1]
 aio = pytest.mark.asyncio(loop_scope="session")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Daemon:
@@ -40,7 +35,7 @@ class Daemon:
         self.sock.listen(1024)
         self.sock.set_inheritable(True)
         self.port = self.sock.getsockname()[1]
-        self.control_port = _free_port()
+        self.control_port = free_port()
         self.state_file = tmp / "router-state.json"
         self.log = open(tmp / "router.log", "ab")
         self.tmp = tmp
@@ -236,7 +231,7 @@ async def test_daemon_supervisor_sigterm_then_sigkill(tmp_path):
 
     eng, fake_runner, fake_url = await start_fake("fake", knobs=Knobs(token_delay_s=0.01))
     log = open(tmp_path / "router.log", "ab")
-    sup = RouterSupervisor(port=0, control_port=_free_port(), state_file=tmp_path / "state.json",
+    sup = RouterSupervisor(port=0, control_port=free_port(), state_file=tmp_path / "state.json",
                            log_file=log, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
     old_handler = signal.getsignal(signal.SIGUSR1)
     sup.install_signal()
@@ -306,7 +301,7 @@ async def test_draining_router_forwards_control_and_closes_keepalive(tmp_path):
     from relocator.router.server import RouterServer
 
     eng, fake_runner, fake_url = await start_fake("fake")
-    cfg = dict(port=0, control_port=_free_port(), state_file=tmp_path / "state.json",
+    cfg = dict(port=0, control_port=free_port(), state_file=tmp_path / "state.json",
                drain_idle_close_s=0.3)
     old = await RouterServer(RouterSettings(**cfg)).start()
     new = None

@@ -16,6 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from relocator.ports import free_port
 from relocator.router import errors
 from relocator.router import state as state_io
 from relocator.router.core import Hooks, RouterCore, Stream, Unary, UpstreamError
@@ -316,14 +317,6 @@ def test_table_suspect_epochs():
 
 
 # ---------------------------------------------------------------------- real processes
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _backend(port: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen([sys.executable, "-m", "relocator.router.fakeserver", "--port",
@@ -351,7 +344,7 @@ async def test_http_backend_sigkill_mid_stream_then_switch():
     from relocator.router.config import BackendConfig, RouterSettings
     from relocator.router.server import RouterServer
 
-    p1, p2 = _free_port(), _free_port()
+    p1, p2 = free_port(), free_port()
     u1, u2 = f"http://127.0.0.1:{p1}", f"http://127.0.0.1:{p2}"
     procs = [_backend(p1)]
     s = RouterSettings(port=0, control_port=0, unreachable_hold_s=20, hold_timeout_s=20,

@@ -69,7 +69,7 @@ def test_fingerprint(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def sglang_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    from relocator.local_worker import free_port
+    from relocator.ports import free_port
 
     adapter = Adapter()
     spec = LaunchSpec(model_dir=tiny_model_dir, served_model_name="tiny-llama", port=free_port(),

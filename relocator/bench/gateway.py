@@ -28,7 +28,8 @@ import yaml
 
 from relocator.bench.moveproxy import MoveProxy
 from relocator.gateways import litellm_proxy
-from relocator.router.bench import _free_port, _pct, _Proc, _wait_http
+from relocator.ports import free_port
+from relocator.router.bench import _pct, _Proc, _wait_http
 from relocator.router.client import RouterControl
 from relocator.router.fakeserver import write_fake_tokenizer
 
@@ -219,7 +220,7 @@ async def run(duration_s: float = 8.0, tokens: int = 16, move_tokens: int = 200,
                                       "litellm": litellm_proxy.LITELLM_VERSION}}
 
     def fake(model: str, delay: float = 0.0) -> str:
-        port = _free_port()
+        port = free_port()
         procs.append(_Proc([py, "-m", "relocator.router.fakeserver", "--port", str(port),
                             "--model", model, "--tokens", str(tokens),
                             "--token-delay", str(delay)]))
@@ -246,14 +247,14 @@ async def run(duration_s: float = 8.0, tokens: int = 16, move_tokens: int = 200,
         for name in names:
             mp = await MoveProxy(src).start()
             moves.append(mp)
-            cport = _free_port()
+            cport = free_port()
             settings = work / f"{name}-router.yaml"
             settings.write_text(yaml.safe_dump({"control_port": cport, "backends": [
                 {"model": MODEL, "url": backend, "worker_id": "w0"},
                 {"model": MOVE_MODEL, "url": mp.url, "worker_id": "w1", "tokenizer": tok}]}))
             control: str | None = f"http://127.0.0.1:{cport}"
             if name == "router":
-                port = _free_port()
+                port = free_port()
                 procs.append(_Proc([py, "-m", "relocator.router", "--host", "127.0.0.1",
                                     "--port", str(port), "--config", str(settings)]))
                 url = f"http://127.0.0.1:{port}"
@@ -261,7 +262,7 @@ async def run(duration_s: float = 8.0, tokens: int = 16, move_tokens: int = 200,
                 sides[name] = (url, {}, control, mp)
                 continue
             if name == "envoy_epp":  # Envoy -> ext_proc picker; streams via its router
-                gport, rport, listen, admin = (_free_port() for _ in range(4))
+                gport, rport, listen, admin = (free_port() for _ in range(4))
                 procs.append(_Proc([py, "-m", "relocator", "gateway", "epp", "--config",
                                     str(settings), "--grpc-port", str(gport), "--port",
                                     str(rport)]))
@@ -279,7 +280,7 @@ async def run(duration_s: float = 8.0, tokens: int = 16, move_tokens: int = 200,
             else:
                 cfg = litellm_proxy.plugin_config([MODEL, MOVE_MODEL])
                 env = {"RELOCATOR_GATEWAY_CONFIG": str(settings)}
-            lp = litellm_proxy.LiteLLMProxy(cfg, work, _free_port(), env)
+            lp = litellm_proxy.LiteLLMProxy(cfg, work, free_port(), env)
             proxies.append(lp)
             starting.append(asyncio.to_thread(lp.start))
             sides[name] = (lp.url, {"Authorization": f"Bearer {lp.key}"}, control, mp)

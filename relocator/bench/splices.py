@@ -26,7 +26,8 @@ async def run(streams: int = 1000, baseline_streams: int = 200, concurrency: int
 
     from adapters.base import DEFAULT_ENGINE, LaunchSpec, get_adapter
     from loadtests.cutproxy import RepeatCutProxy
-    from relocator.local_worker import free_port, start_local_worker
+    from relocator.local_worker import start_local_worker
+    from relocator.ports import free_port
     from relocator.router.config import BackendConfig, RouterSettings
     from relocator.router.server import RouterServer
     from relocator.tinymodel import ensure_tiny_model

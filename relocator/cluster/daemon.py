@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -16,14 +15,9 @@ from pathlib import Path
 from relocator.cluster.config import REPO, LocalConfig
 from relocator.cluster.local import RAY_ENV, info_path
 from relocator.cluster.routerproc import RouterSupervisor
+from relocator.ports import free_port
 
 log = logging.getLogger("relocator.cluster")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _write(base: Path, info: dict) -> None:

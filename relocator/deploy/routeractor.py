@@ -20,7 +20,7 @@ class RouterHost:
     def __init__(self, host: str, port: int, control_port: int, token: str | None, state_dir: str,
                  api_keys: list[str] | None = None, metrics_public: bool = False, insecure: bool = False) -> None:
         from relocator.cluster.config import REPO
-        from relocator.cluster.daemon import free_port
+        from relocator.ports import free_port
         from relocator.cluster.routerproc import RouterSupervisor
 
         Path(state_dir).mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,11 +16,7 @@ from typing import Any
 
 import aiohttp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from relocator.ports import free_port
 
 
 async def _wait_http(url: str, timeout: float = 30.0) -> None:
@@ -112,14 +107,14 @@ async def run_bench(concurrency: int = 100, duration_s: float = 5.0, tokens: int
     out: dict[str, Any] = {"config": {"concurrency": concurrency, "duration_s": duration_s,
                                       "tokens_per_stream": tokens, "backend": "fake SSE server"}}
     try:
-        bport = _free_port()
+        bport = free_port()
         procs.append(_Proc([py, "-m", "relocator.router.fakeserver", "--port", str(bport),
                             "--model", model, "--tokens", str(tokens)]))
         backend = f"http://127.0.0.1:{bport}"
         await _wait_http(backend + "/health")
         out["direct"] = await load(backend, model, concurrency, duration_s, tokens)
 
-        rport, cport = _free_port(), _free_port()
+        rport, cport = free_port(), free_port()
         env = dict(os.environ, RELOCATOR_ROUTER_CONTROL_PORT=str(cport))
         procs.append(_Proc([py, "-m", "relocator", "router", "serve", "--host", "127.0.0.1",
                             "--port", str(rport), "--backend", f"{model}={backend}"], env=env))
@@ -132,10 +127,10 @@ async def run_bench(concurrency: int = 100, duration_s: float = 5.0, tokens: int
         if vr is None:
             out["vllm_router"] = {"error": "vllm-router is not installed (pip install vllm-router)"}
         else:
-            vport = _free_port()
+            vport = free_port()
             p = _Proc([vr, "--host", "127.0.0.1", "--port", str(vport), "--worker-urls", backend,
                        "--policy", "round_robin", "--log-level", "warning",
-                       "--prometheus-port", str(_free_port())])
+                       "--prometheus-port", str(free_port())])
             procs.append(p)
             try:
                 await _wait_http(f"http://127.0.0.1:{vport}/health", 30)

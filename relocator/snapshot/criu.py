@@ -9,7 +9,6 @@ import re
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -17,6 +16,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Sequence
+
+from relocator.ports import free_port
 
 MIN_VERSION = (4, 2)
 NETNS_KEY = "cellnet"  # label of the cell's network namespace, external to the image
@@ -195,13 +196,6 @@ def lazy_dump_pipes() -> tuple[bool, str]:
         return False, "fs.pipe-max-size unreadable"
     ok = size >= LAZY_PIPE_BYTES
     return ok, (f"fs.pipe-max-size is {size} (>= {LAZY_PIPE_BYTES} needed without CAP_SYS_RESOURCE)")
-
-
-def free_port(address: str = "127.0.0.1") -> int:
-    """A TCP port free on `address` now (a helper binds it a moment later)."""
-    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
 
 
 class CriuProcess:
