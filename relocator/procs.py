@@ -1,43 +1,157 @@
-"""The host's process table from /proc: who runs what, and whose children they are."""
+"""The tree's one process module: liveness, command lines, memory, namespaces and process tables
+(on psutil), and the few host facts read from /proc. No other module reads /proc.
+
+Every reader answers "nothing" (False, [], None, 0) for a process that is gone or unreadable:
+processes come and go between two calls, and callers treat that as the ordinary case.
+
+Code that runs under `python -S` (the post-copy keeper and pump) cannot import psutil and keeps
+its own few stdlib readers: see relocator/agent/postcopy_keeper.py.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import psutil
+
+_GONE = (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError, ValueError)
+_DEAD = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+_STOPPED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+
+
+def _proc(pid: int | None) -> psutil.Process | None:
+    if not pid or pid <= 0:  # never a process group or "every process"
+        return None
+    try:
+        return psutil.Process(pid)
+    except _GONE:
+        return None
+
+
+def status(pid: int | None) -> str | None:
+    """psutil's status of `pid` ('running', 'sleeping', 'stopped', 'zombie', ...); None: gone."""
+    p = _proc(pid)
+    try:
+        return p.status() if p else None
+    except _GONE:
+        return None
+
+
+def alive(pid: int | None) -> bool:
+    """`pid` exists and is not a zombie (a zombie has exited: only its parent's wait is left)."""
+    return status(pid) not in (None, *_DEAD)
+
+
+def stopped(pid: int | None) -> bool:
+    """`pid` is stopped (SIGSTOP, or by a tracer such as CRIU)."""
+    return status(pid) in _STOPPED
+
+
+def cmdline(pid: int | None) -> list[str]:
+    """The argument vector of `pid`; [] when gone or a kernel thread."""
+    p = _proc(pid)
+    try:
+        return p.cmdline() if p else []
+    except _GONE:
+        return []
+
+
+def name(pid: int | None) -> str:
+    """The short command name (comm) of `pid`; '' when gone."""
+    p = _proc(pid)
+    try:
+        return p.name() if p else ""
+    except _GONE:
+        return ""
+
+
+def environ(pid: int | None) -> dict[str, str]:
+    """The environment `pid` started with; {} when gone or not ours to read."""
+    p = _proc(pid)
+    try:
+        return p.environ() if p else {}
+    except _GONE:
+        return {}
+
+
+def children(pid: int | None, recursive: bool = True) -> list[int]:
+    """The PIDs below `pid` (all generations unless `recursive` is False), not `pid` itself."""
+    p = _proc(pid)
+    try:
+        return [c.pid for c in p.children(recursive=recursive)] if p else []
+    except _GONE:
+        return []
+
+
+def tree(pid: int | None) -> list[int]:
+    """`pid` and every process below it, `pid` first; [] when `pid` is gone."""
+    return [pid, *children(pid)] if pid and alive(pid) else []
+
+
+def pid_ns(pid: int | None) -> str | None:
+    """The PID namespace of `pid` ('pid:[4026531836]'), to tell whose a process is; None: gone."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid") if pid else None
+    except OSError:
+        return None
+
+
+def maps_text(pid: int) -> str:
+    """`/proc/<pid>/maps` (its mappings, one a line); '' when gone."""
+    try:
+        return Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return ""
+
 
 def process_table() -> dict[int, tuple[int, list[str]]]:
     """{pid: (ppid, argv)} of every process readable now."""
     out: dict[int, tuple[int, list[str]]] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
+    for p in psutil.process_iter():
         try:
-            argv = Path(f"/proc/{d}/cmdline").read_bytes().decode(errors="replace").split("\0")
-            ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
+            out[p.pid] = (p.ppid(), p.cmdline())
+        except _GONE:
             continue
-        out[int(d)] = (ppid, argv[:-1] if argv and argv[-1] == "" else argv)
     return out
+
+
+def _status_kb(pid: int, keys: tuple[str, ...]) -> int:
+    total = 0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(keys):
+            total += int(line.split()[1])
+    return total
 
 
 def status_bytes(pids: list[int], fields: tuple[str, ...] = ("VmRSS",)) -> int:
     """The sum of `fields` (kB lines of /proc/<pid>/status: VmRSS, VmSwap, ...) over `pids`, in
-    bytes; a process gone meanwhile counts 0."""
+    bytes; a process gone meanwhile counts 0. (VmSwap is in psutil only through smaps, which
+    costs a walk of every mapping: the status file is what the callers need, cheaply.)"""
     keys = tuple(f"{f}:" for f in fields)
     total = 0
     for pid in pids:
         try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith(keys):
-                    total += int(line.split()[1]) * 1024
+            total += _status_kb(pid, keys) * 1024
         except (OSError, ValueError, IndexError):
             continue
     return total
 
 
+def rss_bytes(pids: list[int]) -> int:
+    """The resident memory of `pids` together, in bytes; a process gone meanwhile counts 0."""
+    total = 0
+    for pid in pids:
+        p = _proc(pid)
+        try:
+            total += p.memory_info().rss if p else 0
+        except _GONE:
+            continue
+    return total
+
+
 def descendants(root: int, table: dict[int, tuple[int, list[str]]]) -> list[int]:
-    """Every process below `root` (not `root` itself)."""
+    """Every process below `root` in `table` (not `root` itself)."""
     kids: dict[int, list[int]] = {}
     for pid, (ppid, _) in table.items():
         kids.setdefault(ppid, []).append(pid)
@@ -54,3 +168,23 @@ def criu_processes(table: dict[int, tuple[int, list[str]]], *needles: str) -> li
     or inside one)."""
     return [pid for pid, (_, argv) in table.items()
             if argv and argv[0].endswith("criu") and all(any(n in a for a in argv) for n in needles)]
+
+
+# -- host facts -----------------------------------------------------------------------------------
+def boot_id() -> str:
+    """This boot of this host (a PID recorded under another boot is someone else's now)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def cpuinfo(field: str) -> str | None:
+    """The value of the first `field` line of /proc/cpuinfo ('model name', 'flags'); None if none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(field) and ":" in line:
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None

@@ -1,0 +1,67 @@
+"""relocator.procs: the process module, on this test's own processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from relocator import procs
+
+
+def _child(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *args])
+
+
+def test_liveness_cmdline_and_status_of_a_child():
+    child = _child("marker-arg")
+    try:
+        assert procs.alive(child.pid)
+        assert procs.cmdline(child.pid)[-1] == "marker-arg"
+        assert child.pid in procs.children(os.getpid())
+        assert procs.process_table()[child.pid] == (os.getpid(), procs.cmdline(child.pid))
+        os.kill(child.pid, signal.SIGSTOP)
+        for _ in range(200):  # the stop is asynchronous
+            if procs.stopped(child.pid):
+                break
+            time.sleep(0.01)
+        assert procs.stopped(child.pid)
+        os.kill(child.pid, signal.SIGKILL)
+        for _ in range(200):  # killed, not yet reaped: a zombie is not alive
+            if not procs.alive(child.pid):
+                break
+            time.sleep(0.01)
+        assert not procs.alive(child.pid) and procs.status(child.pid) == "zombie"
+    finally:
+        child.kill()
+        child.wait()
+    assert not procs.alive(child.pid) and procs.cmdline(child.pid) == [] and procs.status(child.pid) is None
+
+
+def test_nonsense_pids_are_never_alive():
+    assert not procs.alive(0) and not procs.alive(-1) and not procs.alive(None)
+    assert procs.children(None) == [] and procs.tree(0) == []
+
+
+def test_memory_readers_agree_and_gone_counts_zero():
+    me = os.getpid()
+    rss = procs.rss_bytes([me])
+    assert rss > 1 << 20
+    assert procs.status_bytes([me]) > 1 << 20
+    assert procs.rss_bytes([2 ** 22 + 12345]) == 0 and procs.status_bytes([2 ** 22 + 12345]) == 0
+
+
+def test_descendants_and_criu_processes_from_a_table():
+    table = {1: (0, ["init"]), 10: (1, ["/usr/local/sbin/criu", "dump", "-D", "/x/img"]),
+             11: (10, ["child"]), 12: (11, ["grandchild"]), 20: (1, ["other"])}
+    assert sorted(procs.descendants(10, table)) == [11, 12]
+    assert procs.criu_processes(table, "dump", "/x/") == [10]
+    assert procs.criu_processes(table, "restore") == []
+
+
+def test_host_facts():
+    assert procs.boot_id() and procs.boot_id() == procs.boot_id()
+    assert procs.pid_ns(os.getpid()) == procs.pid_ns(os.getppid())
+    assert procs.pid_ns(2 ** 22 + 12345) is None
