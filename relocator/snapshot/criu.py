@@ -80,7 +80,7 @@ def _dump_cmd(pid: int, image_dir: Path, netns_inode: int, leave_stopped: bool,
 
 
 def dump(pid: int, image_dir: Path, netns_inode: int, leave_stopped: bool = True,
-         extra_args: Sequence[str] = (), page_server: tuple[str, int] | None = None) -> DumpResult:
+         extra_args: Sequence[str] = (), page_server: tuple[str, int] | int | None = None) -> DumpResult:
     """Checkpoint the tree rooted at host `pid` into `image_dir`.
 
     The cell's network namespace is marked external (it is recreated on the target, with its own
@@ -88,14 +88,19 @@ def dump(pid: int, image_dir: Path, netns_inode: int, leave_stopped: bool = True
     `page_server` (address, port): the memory pages (pagemap and pages images) go straight to
     that page server as they are read (`criu page-server` on the target), over TLS with the
     cluster's certificates (relocator.credentials); only the other, small images are written
-    to `image_dir`.
+    to `image_dir`. An int: a connected unix socket to a page server of this host instead,
+    passed with `--ps-socket`, plaintext (the kernel authenticated its ends).
     """
     image_dir.mkdir(parents=True, exist_ok=True)
     cmd = _dump_cmd(pid, image_dir, netns_inode, leave_stopped, extra_args)
-    if page_server is not None:  # TLS, both ends authenticated by the cluster's CA
+    fds: tuple[int, ...] = ()
+    if isinstance(page_server, int):  # a unix socket to a page server on this host: no crypto
+        cmd += ["--page-server", "--ps-socket", str(page_server)]  # (relocator.agent.locallink)
+        fds = (page_server,)
+    elif page_server is not None:  # TLS, both ends authenticated by the cluster's CA
         cmd += ["--page-server", "--address", page_server[0], "--port", str(page_server[1]), *_tls()]
     start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, pass_fds=fds)
     took = time.monotonic() - start
     if proc.returncode != 0:
         raise CriuError(f"criu dump of pid {pid} failed (exit {proc.returncode})", _log_tail(image_dir / "dump.log"))
@@ -298,6 +303,15 @@ def page_server(image_dir: Path, address: str, port: int = 0) -> tuple[CriuProce
 
     proc = make(port).start() if port else _start_on_free_port(make, address)
     return proc, proc.port  # type: ignore[attr-defined]
+
+
+def page_server_on(image_dir: Path, sock: int) -> CriuProcess:
+    """`criu page-server` on a connected unix socket (`--ps-socket`) to a dump of this host,
+    authenticated by the kernel (relocator.agent.locallink): no TLS, no listening port."""
+    image_dir.mkdir(parents=True, exist_ok=True)
+    return CriuProcess([criu_binary(), "page-server", "-D", str(image_dir), "-o", "page-server.log", "-v2",
+                        "--ps-socket", str(sock)], image_dir / "page-server.log", "page-server",
+                       pass_fds=(sock,)).start()
 
 
 def lazy_dump(pid: int, image_dir: Path, netns_inode: int, address: str, port: int = 0,
