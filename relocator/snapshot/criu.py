@@ -65,7 +65,7 @@ class DumpResult:
 
 
 def _dump_cmd(pid: int, image_dir: Path, netns_inode: int, leave_stopped: bool,
-              extra_args: Sequence[str]) -> list[str]:
+              extra_args: Sequence[str], leave_running: bool = False) -> list[str]:
     cmd = [
         criu_binary(), "dump", "-t", str(pid), "-D", str(image_dir), "-o", "dump.log", "-v2",
         "--tcp-established", "--link-remap", "--manage-cgroups=ignore",
@@ -76,15 +76,19 @@ def _dump_cmd(pid: int, image_dir: Path, netns_inode: int, leave_stopped: bool,
     ]
     if leave_stopped:
         cmd.append("--leave-stopped")
+    elif leave_running:  # the tree goes on running once dumped (a warm image: relocator.warm.capture)
+        cmd.append("--leave-running")
     return cmd + list(extra_args)  # e.g. a GPU cell's driver mounts, external (devices.criu_external_args)
 
 
 def dump(pid: int, image_dir: Path, netns_inode: int, leave_stopped: bool = True,
-         extra_args: Sequence[str] = (), page_server: tuple[str, int] | int | None = None) -> DumpResult:
+         extra_args: Sequence[str] = (), page_server: tuple[str, int] | int | None = None,
+         leave_running: bool = False) -> DumpResult:
     """Checkpoint the tree rooted at host `pid` into `image_dir`.
 
     The cell's network namespace is marked external (it is recreated on the target, with its own
-    address), so only the sockets go into the image. The tree is left stopped, not killed.
+    address), so only the sockets go into the image. The tree is left stopped, not killed
+    (`leave_running`, with leave_stopped False: it goes on running).
     `page_server` (address, port): the memory pages (pagemap and pages images) go straight to
     that page server as they are read (`criu page-server` on the target), over TLS with the
     cluster's certificates (relocator.credentials); only the other, small images are written
@@ -92,7 +96,7 @@ def dump(pid: int, image_dir: Path, netns_inode: int, leave_stopped: bool = True
     passed with `--ps-socket`, plaintext (the kernel authenticated its ends).
     """
     image_dir.mkdir(parents=True, exist_ok=True)
-    cmd = _dump_cmd(pid, image_dir, netns_inode, leave_stopped, extra_args)
+    cmd = _dump_cmd(pid, image_dir, netns_inode, leave_stopped, extra_args, leave_running)
     fds: tuple[int, ...] = ()
     if isinstance(page_server, int):  # a unix socket to a page server on this host: no crypto
         cmd += ["--page-server", "--ps-socket", str(page_server)]  # (relocator.agent.locallink)
