@@ -100,7 +100,7 @@ class NodeAgent(TransferOps):
     def gpus(self) -> list[dict[str, Any]]:
         """This node's real GPUs through NVML (index, UUID, model, memory); [] where there are
         none (Ray's GPU counts are then fake)."""
-        from relocator.controller.inventory import local_gpus
+        from relocator.gpus import local_gpus
 
         return [g.to_dict() for g in local_gpus()]
 
@@ -194,13 +194,19 @@ class NodeAgent(TransferOps):
     def dump(self, cell_id: str, image_dir: str, page_server: dict | None = None) -> dict[str, Any]:
         """Checkpoint a cell into `image_dir`; with `page_server` ({address, port}: the target's,
         see open_page_server) its memory goes straight there and only the small images stay."""
+        from relocator.agent import locallink
         from relocator.cell.cell import load_cell
         from relocator.snapshot import dump
 
         with self._lock(cell_id):
             t0 = time.monotonic()
-            ps = (page_server["address"], int(page_server["port"])) if page_server else None
-            img = dump(load_cell(cell_id), Path(image_dir), page_server=ps)
+            link = locallink.connect(page_server) if page_server else None  # same host: no crypto
+            ps = link.fileno() if link else (page_server["address"], int(page_server["port"])) if page_server else None
+            try:
+                img = dump(load_cell(cell_id), Path(image_dir), page_server=ps)
+            finally:
+                if link:
+                    link.close()
             return {"image_dir": str(img.path), "bytes": img.bytes, "seconds": round(time.monotonic() - t0, 3),
                     "timings": img.manifest.timings, "pages": img.manifest.pages.value}
 
@@ -420,7 +426,7 @@ def _image_size_hint(cell) -> int | None:
     total = status_bytes(cell.pids(), ("VmRSS", "VmSwap"))
     if cell.gpu_ids:
         try:
-            from relocator.controller.inventory import local_gpus
+            from relocator.gpus import local_gpus
 
             mine = set(cell.gpu_ids)
             total += sum(g.memory_mib << 20 for g in local_gpus() if g.index in mine)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from relocator.choices import Choice
-from relocator.controller.model import TransferMode
+from relocator.vocab import TransferMode
 
 PHASES = ("PLAN", "RESERVE", "HOLD", "DUMP", "TRANSFER", "RESTORE", "SWITCH", "RELEASE")
 

@@ -13,7 +13,7 @@ import typer
 from adapters.base import DEFAULT_ENGINE, Engine
 from relocator.cli import bench_app
 from relocator.cli.common import console, handle_errors, print_json
-from relocator.controller.model import TransferMode
+from relocator.vocab import TransferMode
 
 MODEL = "tiny-llama"
 

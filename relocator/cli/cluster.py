@@ -16,7 +16,7 @@ from adapters.base import DEFAULT_ENGINE, Engine
 from relocator.cli import app
 from relocator.cli.common import console, handle_errors, print_json
 from relocator.controller.machine import PhaseFault
-from relocator.controller.model import TransferMode
+from relocator.vocab import TransferMode
 
 JSON = typer.Option(False, "--json", help="print one JSON object")
 CLUSTER_DIR = typer.Option(None, "--cluster-dir", help="where the cluster runs from "

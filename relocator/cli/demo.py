@@ -19,7 +19,7 @@ from rich.table import Table
 
 from relocator.cli import app
 from relocator.cli.common import console, handle_errors, print_json
-from relocator.controller.model import TransferMode
+from relocator.vocab import TransferMode
 
 MODEL = "tiny-llama"
 

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from relocator.agent.transient import TransientImages
-from relocator.controller.model import TransferMode
+from relocator.vocab import TransferMode
 from relocator.planner.policies import PlacementPolicy
 
 REPO = Path(__file__).resolve().parents[2]

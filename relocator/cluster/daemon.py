@@ -13,7 +13,7 @@ import traceback
 from pathlib import Path
 
 from relocator.cluster.config import REPO, LocalConfig
-from relocator.cluster.local import RAY_ENV, info_path
+from relocator.cluster.info import RAY_ENV, info_path
 from relocator.cluster.routerproc import RouterSupervisor
 from relocator.ports import free_port
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from relocator.cluster.config import REPO, LocalConfig
 from relocator.cluster.emulate import RAY_CLIENT_ENV
-from relocator.cluster.local import ClusterError, info_path
-from relocator.controller.model import TransferMode
+from relocator.cluster.info import ClusterError, info_path
+from relocator.vocab import TransferMode
 
 
 def _write(base: Path, info: dict) -> None:

@@ -9,12 +9,36 @@ from typing import Any
 
 from adapters.base import DEFAULT_ENGINE
 from relocator.choices import Choice
+from relocator.vocab import TransferMode  # noqa: F401 - re-exported: it lives low, in relocator.vocab
 
-# The eight phases of DESIGN.md, in order. Each is persisted before it starts.
-PHASES = ("PLAN", "RESERVE", "HOLD", "DUMP", "TRANSFER", "RESTORE", "SWITCH", "RELEASE")
-ROLLBACK_BEFORE = PHASES.index("SWITCH")  # a failure in a phase before SWITCH rolls back
 
-RUNNING, DONE, ROLLED_BACK, FAILED = "running", "done", "rolled_back", "failed"
+class Phase(Choice):
+    """The eight phases of DESIGN.md, in order. Each is persisted before it starts."""
+
+    PLAN = "PLAN"
+    RESERVE = "RESERVE"
+    HOLD = "HOLD"
+    DUMP = "DUMP"
+    TRANSFER = "TRANSFER"
+    RESTORE = "RESTORE"
+    SWITCH = "SWITCH"
+    RELEASE = "RELEASE"
+
+
+PHASES: tuple[Phase, ...] = tuple(Phase)
+ROLLBACK_BEFORE = PHASES.index(Phase.SWITCH)  # a failure in a phase before SWITCH rolls back
+
+
+class RelocationResult(Choice):
+    """How a relocation ended (running: not yet)."""
+
+    RUNNING = "running"
+    DONE = "done"
+    ROLLED_BACK = "rolled_back"
+    FAILED = "failed"
+
+
+RUNNING, DONE, ROLLED_BACK, FAILED = RelocationResult
 
 
 class FailureReason(Choice):
@@ -39,20 +63,6 @@ def failure_reason(exc: BaseException) -> FailureReason:
     if isinstance(exc, TimeoutError):
         return FailureReason.TIMEOUT
     return FailureReason.ERROR
-
-
-class TransferMode(Choice):
-    """How the image gets to the target node (docs/snapshots.md "Transfer modes")."""
-
-    SHARED = "shared"  # every node sees the image directory: nothing to copy
-    # agent to agent: the memory through a page server on the target while CRIU dumps it,
-    # the other images chunked; every file hashed as it arrives
-    STREAM = "stream"
-    # the worker restarts on the target before its memory has arrived: pages come from the
-    # frozen source on demand and in the background; the source is released once all arrived
-    POSTCOPY = "postcopy"
-    # shared when both nodes see the image store, postcopy when both kernels allow it, else stream
-    AUTO = "auto"
 
 
 class WorkerState(Choice):
@@ -217,8 +227,8 @@ class Relocation:
     worker: str
     src: str
     dst: str | None = None
-    phase: str | None = None
-    result: str = RUNNING
+    phase: Phase | None = None
+    result: RelocationResult = RelocationResult.RUNNING
     error: str = ""
     src_cell: str = ""
     src_endpoint: str = ""
@@ -246,6 +256,9 @@ class Relocation:
     def __post_init__(self) -> None:
         self.transfer = TransferMode(self.transfer)  # a stored or passed string; unknown: ValueError
         self.reason = FailureReason(self.reason)
+        self.result = RelocationResult(self.result)
+        if self.phase in Phase.values():  # a stored string; anything else is kept (recover rolls it back)
+            self.phase = Phase(self.phase)
 
     @staticmethod
     def new_id() -> str:

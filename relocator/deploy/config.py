@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from relocator.cluster.config import REPO, ControllerSection
-from relocator.controller.model import TransferMode
+from relocator.vocab import TransferMode
 
 DEFAULT_CONFIG = REPO / "configs" / "deploy.yaml"
 

@@ -27,7 +27,7 @@ def probe(base_dir: str, shared_marker: str | None = None) -> dict[str, Any]:
     import platform
 
     from relocator.cell import netns
-    from relocator.controller.inventory import local_gpus
+    from relocator.gpus import local_gpus
     from relocator.preflight import run_checks
     from relocator.snapshot import criu
 

@@ -1,0 +1,21 @@
+"""Words every part shares, defined below all of them (imports nothing of ours but `choices`):
+the controller, the agent, the cluster and deploy configs, chaos and the bench all name a
+transfer mode, so it cannot live in any one of them without imports running back up."""
+
+from __future__ import annotations
+
+from relocator.choices import Choice
+
+
+class TransferMode(Choice):
+    """How the image gets to the target node (docs/snapshots.md "Transfer modes")."""
+
+    SHARED = "shared"  # every node sees the image directory: nothing to copy
+    # agent to agent: the memory through a page server on the target while CRIU dumps it,
+    # the other images chunked; every file hashed as it arrives
+    STREAM = "stream"
+    # the worker restarts on the target before its memory has arrived: pages come from the
+    # frozen source on demand and in the background; the source is released once all arrived
+    POSTCOPY = "postcopy"
+    # shared when both nodes see the image store, postcopy when both kernels allow it, else stream
+    AUTO = "auto"
