@@ -1,0 +1,88 @@
+"""Capture a warm image: dump a ready worker that has not served yet, with CRIU
+leave-running, into its node's store under its kind's key. The worker goes on (to serve) as if
+nothing happened; the dump costs it one freeze of a few seconds before its first request.
+
+On CPU the engine's untouched KV pool is not in the image: the launcher allocates it without
+writing it (adapters/vllm/launcher.py) and CRIU dumps only pages that were ever touched. On a
+GPU the device memory goes through cuda-checkpoint and comes back at once after the dump
+(putting the engine to sleep first, to leave its free KV pool out, is not done yet:
+docs/images.md).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+from relocator.cell import devices
+from relocator.cell.cell import Cell, CellError
+from relocator.snapshot import criu, cuda
+from relocator.snapshot.fingerprint import Fingerprint
+from relocator.snapshot.manifest import CellInfo, Manifest, PagesMode, hash_files, write_manifest, write_stamp
+from relocator.snapshot.snapshot import fingerprint_of
+from relocator.warm.key import key_of, kind_of
+from relocator.warm.store import Entry, ImageStore
+
+Progress = Callable[[str, float | None], None]
+
+
+def _noop(_step: str, _frac: float | None) -> None:
+    pass
+
+
+def key_of_cell(cell: Cell, fingerprint: Fingerprint | None = None) -> str:
+    """The warm image key of the worker running in `cell` on this host."""
+    return key_of(kind_of(fingerprint or fingerprint_of(cell), cell.launch, cell.devices))
+
+
+def _dump_running(cell: Cell, image_dir, timings: dict[str, float]) -> None:
+    """CRIU dump, leave-running; a GPU cell's device memory is checkpointed around it."""
+    cuda_pids: list[int] = []
+    if cuda.available():
+        cuda_pids = cuda.checkpoint(cell.pids())
+    try:
+        netns_inode = os.stat(f"/proc/{cell.init_pid}/ns/net").st_ino
+        dump_args, _ = devices.criu_external_args(devices.DeviceProfile.from_dict(cell.devices))
+        t = time.monotonic()
+        criu.dump(cell.init_pid, image_dir, netns_inode, leave_stopped=False, leave_running=True,
+                  extra_args=dump_args)
+        timings["criu_dump_s"] = time.monotonic() - t
+    finally:
+        if cuda_pids:
+            cuda.restore(cuda_pids)
+
+
+def capture(cell: Cell, store: ImageStore, progress: Progress = _noop) -> tuple[Entry, bool]:
+    """File a warm image of `cell` (ready, not yet serving) in `store`, unless its kind already
+    has one. Returns (the entry, whether this call dumped it). The cell runs on either way.
+    Raises CellError (not running), CriuError (the dump failed; the cell still runs) or
+    StoreFull / ImageError (nothing filed)."""
+    if not cell.is_alive() or cell.is_stopped():
+        raise CellError(f"cell {cell.id} is not running; a warm image is taken of a running worker")
+    if not cell.launch:
+        raise CellError(f"cell {cell.id} has no launch record; its kind is unknown")
+    progress("fingerprint", None)
+    fingerprint = fingerprint_of(cell)
+    key = key_of_cell(cell, fingerprint)
+    existing = store.get(key)
+    if existing is not None:
+        return existing, False
+    staged = store.staging(key)
+    timings: dict[str, float] = {}
+    try:
+        progress("criu dump (leave running)", None)
+        _dump_running(cell, staged, timings)
+        progress("checksums", None)
+        t = time.monotonic()
+        files = hash_files(staged)
+        timings["checksum_s"] = time.monotonic() - t
+        manifest = Manifest(files=files, fingerprint=fingerprint, timings=timings, pages=PagesMode.LOCAL,
+                            cell=CellInfo(engine=cell.engine, port=cell.port, launch=cell.launch,
+                                          source_cell=cell.id, devices=cell.devices or {}))
+        write_manifest(staged, manifest)
+        write_stamp(staged, manifest)  # hashed just now: the store's commit need not hash again
+    except BaseException:
+        store.discard(staged)
+        raise
+    return store.commit(key, staged), True

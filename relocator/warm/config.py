@@ -1,0 +1,67 @@
+"""The warm images' configuration: configs/images.yaml, validated, with RELOCATOR_WARM__* overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from relocator.choices import Choice
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "images.yaml"
+
+
+class StoreRoot(Choice):
+    """Where a node's warm images live."""
+
+    AUTO = "auto"  # the tmpfs when it has room for the whole bound, else disk
+    TMPFS = "tmpfs"
+    DISK = "disk"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelled key is an error, not a default
+
+
+class StoreSection(_Section):
+    root: StoreRoot = StoreRoot.AUTO
+    tmpfs_dir: str = "/dev/shm/relocator/warm"
+    disk_dir: str = "/var/lib/relocator/warm"
+    max_gb: float = Field(8.0, gt=0)
+
+    @property
+    def max_bytes(self) -> int:
+        return int(self.max_gb * (1 << 30))
+
+
+class CaptureSection(_Section):
+    enabled: bool = True
+
+
+class PrefetchSection(_Section):
+    copies: int = Field(1, ge=0, le=15)
+
+
+class WarmConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RELOCATOR_WARM__", env_nested_delimiter="__", extra="ignore")
+
+    store: StoreSection = StoreSection()
+    capture: CaptureSection = CaptureSection()
+    prefetch: PrefetchSection = PrefetchSection()
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> "WarmConfig":
+        """The file (default configs/images.yaml), then the environment over it."""
+        import yaml
+
+        p = Path(path) if path else DEFAULT_CONFIG
+        data: dict[str, Any] = {}
+        if path or p.exists():
+            data = yaml.safe_load(p.read_text()) or {}
+        env = cls()  # environment only
+        for section in ("store", "capture", "prefetch"):
+            for key in getattr(env, section).model_fields_set:
+                data.setdefault(section, {})[key] = getattr(getattr(env, section), key)
+        return cls(**data)
