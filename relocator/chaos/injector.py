@@ -1,0 +1,263 @@
+"""`Injector`: a fault injected from outside the controller, with the real mechanism (kill a
+process, cut a connection, flip a byte, lose a node), once the relocation reaches its phase."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from relocator.chaos.faults import Fault
+from relocator.chaos.hosts import LocalView
+from relocator.chaos.probe import _kill
+from relocator.procs import criu_processes, descendants, process_table
+
+
+class Injector:
+    """Acts on the real system when the relocation reaches the fault's phase."""
+
+    def __init__(self, ctl: Any, base: Path, fault: Fault, worker: dict, view: LocalView | None = None) -> None:
+        self.ctl, self.base, self.fault, self.worker = ctl, base, fault, worker
+        self.view = view or LocalView(base)  # where a node's files are (emulated hosts: its own dirs)
+        self.injected = False
+        self.at: float | None = None  # wall time of the injection
+        self.detail: dict[str, Any] = {}
+        self._cleanups: list[Callable[[], Any]] = []  # undone once the move has ended
+
+    def ready(self, rel: dict) -> bool:
+        return rel.get("phase") == self.fault.phase and rel.get("result") == "running"
+
+    def act(self, rel: dict, still: Callable[[], dict]) -> None:
+        ACTIONS[self.fault.name](self, rel, still)
+
+    def _mark(self, **detail: Any) -> None:
+        self.injected, self.at = True, time.time()
+        self.detail.update(detail)
+
+    def _agent_pid(self, node: str) -> int | None:
+        import ray
+
+        from relocator.agent import NAMESPACE, agent_name
+
+        try:
+            return ray.get(ray.get_actor(agent_name(node), namespace=NAMESPACE).ping.remote(), timeout=10)["pid"]
+        except Exception:  # noqa: BLE001
+            return None
+
+    def _kill_agent(self, node: str, **detail: Any) -> None:
+        import ray
+
+        from relocator.agent import NAMESPACE, agent_name
+
+        ray.kill(ray.get_actor(agent_name(node), namespace=NAMESPACE), no_restart=False)
+        self._mark(killed_agent=node, **detail)
+
+    def _kill_source_agent(self, rel: dict, still) -> None:
+        rid = rel["id"]
+        deadline = time.monotonic() + 5
+        seen = False
+        while time.monotonic() < deadline and not seen:  # CRIU dump in flight
+            seen = bool(criu_processes(process_table(), "dump", rid))
+            if not seen:
+                time.sleep(0.01)
+        if still().get("phase") != "DUMP":
+            return
+        self._kill_agent(rel["src"], criu_dump_running=seen)
+
+    def _cut_transfer(self, rel: dict, still) -> None:
+        """The target's page server, once the dump's pages flow into it."""
+        rid = rel["id"]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and still().get("phase") == "DUMP":
+            for pid in criu_processes(process_table(), "page-server", rid):
+                img = self.view.path(rel["dst"], rel.get("dst_image_dir") or "")
+                got = sum(p.stat().st_size for p in img.glob("pages-*.img")) if img.is_dir() else 0
+                if got > (8 << 20) and _kill(pid):
+                    self._mark(killed="target page server", pid=pid, bytes_received=got)
+                    return
+            time.sleep(0.005)
+
+    def _postcopy_session(self, rel: dict, still, timeout: float = 20.0) -> dict | None:
+        """The post-copy state of the move's target copy once its keeper relays pages."""
+        from relocator.agent.postcopy import read_state
+
+        cdir = self.view.state_dir(rel["dst"]) / "cells" / rel["dst_cell"]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and still().get("phase") == self.fault.phase:
+            st = read_state(cdir) or {}
+            if st.get("state") == "running" and st.get("page_bytes", 0) > 0:
+                return st
+            if st.get("state") in ("done", "failed"):
+                return None
+            time.sleep(0.01)
+        return None
+
+    def _postcopy_kill_target(self, rel: dict, still) -> None:
+        st = self._postcopy_session(rel, still)
+        cell_json = self.view.state_dir(rel["dst"]) / "cells" / rel["dst_cell"] / "cell.json"
+        if st is None or not cell_json.exists():
+            return
+        init = json.loads(cell_json.read_text())["init_pid"]
+        if _kill(int(init)):
+            self._mark(killed="target copy during post-copy", pid=init, page_bytes=st.get("page_bytes"),
+                       lazy_bytes=st.get("lazy_bytes"))
+
+    def _postcopy_network_cut(self, rel: dict, still) -> None:
+        st = self._postcopy_session(rel, still)
+        pc = rel.get("postcopy") or {}
+        port = pc.get("port")
+        if st is None or not port:
+            return
+        tag = f"relocator-chaos-{rel['id']}"
+        # a cut link cuts both of the source's connections: the page server's and the push's
+        rules, cut = [], []
+        for p in (port, pc.get("pump_port")):
+            if not p:
+                continue
+            # exactly that connection (its peer port from ss): a rule on the port alone also drops
+            # any other loopback connection that happens to get it as its ephemeral port
+            out = subprocess.run(["ss", "-Htn", "state", "established", f"( sport = :{p} )"],
+                                 capture_output=True, text=True).stdout.split()
+            ports = [a.rsplit(":", 1)[1] for a in out if ":" in a and a.rsplit(":", 1)[1].isdigit()]
+            peer = next((x for x in ports if x != str(p)), None)
+            if peer is None:
+                continue
+            rules += [["-p", "tcp", "--dport", str(p), "--sport", peer], ["-p", "tcp", "--sport", str(p), "--dport", peer]]
+            cut.append(f"tcp {p} <-> {peer}")
+        if not cut or not cut[0].startswith(f"tcp {port} "):
+            return  # the page server's connection is gone already (the post-copy ended)
+        for r in rules:
+            subprocess.run(["iptables", "-I", "INPUT", *r, "-m", "comment", "--comment", tag, "-j", "DROP"],
+                           check=True, capture_output=True)
+        self._cleanups.append(lambda: [subprocess.run(
+            ["iptables", "-D", "INPUT", *r, "-m", "comment", "--comment", tag, "-j", "DROP"], capture_output=True)
+            for r in rules])
+        self._mark(cut=", ".join(cut) + " (the source's page server and push, and the keeper)",
+                   page_bytes=st.get("page_bytes"), lazy_bytes=st.get("lazy_bytes"))
+
+    def _postcopy_source_loss(self, rel: dict, still) -> None:
+        import ray
+
+        st = self._postcopy_session(rel, still)
+        if st is None:
+            return
+        node = rel["src"]
+        # the node's page server first (it dies with the node), then the node itself
+        dumps = criu_processes(process_table(), "dump", "--lazy-pages", rel["id"])
+        for pid in dumps:
+            _kill(pid)
+        ids = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and f"relocator_node:{node}" in n.get("Resources", {})]
+        for pid, (_, argv) in process_table().items():
+            if ids and argv and "raylet" in argv[0] and any(f"--node_id={ids[0]}" in a for a in argv):
+                _kill(pid)
+                self._mark(node=node, raylet_pid=pid, lazy_dumps=dumps, page_bytes=st.get("page_bytes"),
+                           lazy_bytes=st.get("lazy_bytes"))
+                return
+
+    def cleanup(self) -> None:
+        for fn in self._cleanups:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001
+                pass
+        self._cleanups.clear()
+
+    def _flip_byte(self, rel: dict, still) -> None:
+        img = (self.view.path(rel["dst"], rel["dst_image_dir"]) if rel.get("dst_image_dir")
+               else self.view.path(rel["src"], rel["image_dir"]))
+        files = [p for p in img.iterdir() if p.is_file() and p.name.endswith(".img")]
+        if not files:
+            return
+        big = max(files, key=lambda p: p.stat().st_size)
+        off = big.stat().st_size // 2
+        with open(big, "r+b") as fh:
+            fh.seek(off)
+            b = fh.read(1)
+            fh.seek(off)
+            fh.write(bytes([b[0] ^ 0xFF]))
+        self._mark(file=str(big), offset=off)
+
+    def _kill_target_cell(self, rel: dict, still) -> None:
+        rid, dst_cell = rel["id"], rel.get("dst_cell")
+        cell_json = self.view.state_dir(rel["dst"]) / "cells" / dst_cell / "cell.json"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            table = process_table()
+            for pid in criu_processes(table, "restore", rid):
+                kids = descendants(pid, table)
+                if kids:
+                    for k in kids:
+                        _kill(k)
+                    self._mark(killed="tasks under criu restore", pids=kids)
+                    return
+            if cell_json.exists():
+                try:
+                    init = json.loads(cell_json.read_text())["init_pid"]
+                except (OSError, ValueError, KeyError):
+                    init = None
+                if init and still().get("phase") == "RESTORE" and _kill(int(init)):
+                    self._mark(killed="restored cell init", pids=[init])
+                    return
+            if still().get("phase") != "RESTORE":
+                return
+            time.sleep(0.005)
+
+    def _kill_controller(self, rel: dict, still) -> None:
+        import ray
+
+        from relocator.agent import NAMESPACE
+        from relocator.controller.controller import CONTROLLER_NAME
+
+        h = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+        pid = ray.get(h.ping.remote(), timeout=10)["pid"]
+        if still().get("phase") != self.fault.phase:
+            return
+        _kill(pid)
+        self._mark(controller_pid=pid)
+
+    def _restart_router(self, rel: dict, still) -> None:
+        from loadtests.abuse import listener_pid
+        from relocator.cluster.local import read_info
+
+        # the daemon records the router it runs (it also holds the listening socket itself)
+        pid = (read_info(self.base) or {}).get("router_pid") or listener_pid(int(self.ctl.router_url.rsplit(":", 1)[1]))
+        if pid and _kill(pid, signal.SIGTERM):
+            self._mark(router_pid=pid)
+
+    def _node_loss(self, rel: dict, still) -> None:
+        import ray
+
+        node = rel["dst"]
+        if self.view.emulated:  # the whole host dies: raylet, agent, cells
+            target_ns = [f"rl-{rel['dst_cell']}"] if rel.get("dst_cell") else []
+            killed = self.view.kill_node(node, netns=target_ns) or {}
+            self._mark(node=node, host_pids=len(killed.get("pids", [])), cells=killed.get("cells"))
+            return
+        ids = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and f"relocator_node:{node}" in n.get("Resources", {})]
+        if not ids:
+            return
+        for pid, (_, argv) in process_table().items():
+            if argv and "raylet" in argv[0] and any(f"--node_id={ids[0]}" in a for a in argv):
+                _kill(pid)
+                self._mark(node=node, raylet_pid=pid)
+                return
+
+
+#: how each fault the runner injects acts, by the fault's name (faults.FAULTS; the ones the
+#: controller injects itself, like fail-make-room-move, have none)
+ACTIONS: dict[str, Callable[[Injector, dict, Callable[[], dict]], None]] = {
+    "kill-source-agent": Injector._kill_source_agent,
+    "cut-transfer": Injector._cut_transfer,
+    "flip-byte": Injector._flip_byte,
+    "kill-target-cell": Injector._kill_target_cell,
+    "kill-controller": Injector._kill_controller,
+    "kill-controller-switch": Injector._kill_controller,
+    "restart-router": Injector._restart_router,
+    "node-loss": Injector._node_loss,
+    "postcopy-kill-target": Injector._postcopy_kill_target,
+    "postcopy-network-cut": Injector._postcopy_network_cut,
+    "postcopy-source-loss": Injector._postcopy_source_loss,
+}
