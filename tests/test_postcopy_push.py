@@ -83,7 +83,7 @@ def test_a_request_stops_where_pushed_pages_begin_and_pushed_copies_of_requested
 
 
 def test_plan_interleaves_processes_in_address_order(monkeypatch) -> None:
-    monkeypatch.setattr(pump, "_lazy_ranges", lambda _d: [(1, 0x100000, 512), (1, 0x900000, 1), (2, 0x5000, 3),
+    monkeypatch.setattr(pump, "lazy_ranges", lambda _d: [(1, 0x100000, 512), (1, 0x900000, 1), (2, 0x5000, 3),
                                                             (9, 0x1000, 1)])
     frames = pump.plan(Path("/nonexistent"), {1: 101, 2: 102})  # 9: not a process of the cell
     assert frames == [(1, 101, 0x100000, pump.CHUNK), (2, 102, 0x5000, 3 * PAGE),
@@ -112,7 +112,7 @@ def test_pump_streams_a_stopped_process_memory(tmp_path: Path, monkeypatch) -> N
             assert time.monotonic() < deadline
             time.sleep(0.02)
         monkeypatch.setattr(pump, "ns_pids", lambda _init: {5: child.pid})
-        monkeypatch.setattr(pump, "_lazy_ranges", lambda _d: [(5, addr, 8)])
+        monkeypatch.setattr(pump, "lazy_ranges", lambda _d: [(5, addr, 8)])
         args = argparse.Namespace(cell_dir=str(tmp_path), image_dir=str(tmp_path), init_pid=child.pid,
                                   dump_pid=os.getpid(), address="127.0.0.1", accept_timeout=10.0, status_fd=-1)
         p = pump.Pump(args)

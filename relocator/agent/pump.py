@@ -18,6 +18,9 @@ then the bytes, over TLS: the keeper must present a certificate of the cluster's
 without a byte of memory, and the pump goes on waiting for the keeper. The pump exits once
 everything is sent or the keeper goes away, when the lazy dump it belongs to ends, or when no
 keeper connects in time.
+
+Runs under `python -S` like the keeper: stdlib only, so its /proc readers (`ns_pids`, the
+liveness of the dump) and its accept deadline are its own (relocator.agent.postcopy.base says why).
 """
 
 from __future__ import annotations
@@ -28,15 +31,13 @@ import select
 import signal
 import socket
 import ssl
-import struct
 import sys
 import time
 from pathlib import Path
 
-from relocator.agent.postcopy import PAGE_SIZE, _alive, _is_ours, _lazy_ranges, write_state
-from relocator.agent.postcopy import read_state as _read_state
+from relocator.agent.postcopy.base import FRAME, PAGE_SIZE, alive, is_ours, lazy_ranges, write_state
+from relocator.agent.postcopy.base import read_state as _read_state
 
-FRAME = struct.Struct("<QQI")
 CHUNK = 1 << 20  # bytes per frame: big enough for throughput, small enough to interleave processes
 STATE_FILE = "pump.json"
 
@@ -66,7 +67,7 @@ def plan(image_dir: Path, pids: dict[int, int]) -> list[tuple[int, int, int, int
     time, each in address order: the order the daemon's background copy asks (one request in
     flight per process, each from its lowest address up)."""
     per: dict[int, list[tuple[int, int]]] = {}
-    for pid, vaddr, n in _lazy_ranges(image_dir):
+    for pid, vaddr, n in lazy_ranges(image_dir):
         if pid not in pids:
             continue
         end = vaddr + n * PAGE_SIZE
@@ -77,13 +78,13 @@ def plan(image_dir: Path, pids: dict[int, int]) -> list[tuple[int, int, int, int
     frames = []
     queues = [(pid, iter(chunks)) for pid, chunks in sorted(per.items())]
     while queues:
-        alive = []
+        going = []
         for pid, it in queues:
             nxt = next(it, None)
             if nxt is not None:
                 frames.append((pid, pids[pid], *nxt))
-                alive.append((pid, it))
-        queues = alive
+                going.append((pid, it))
+        queues = going
     return frames
 
 
@@ -136,10 +137,10 @@ class Pump:
         if a.status_fd >= 0:
             os.write(a.status_fd, b"\0")
             os.close(a.status_fd)
-        deadline = time.monotonic() + a.accept_timeout
+        deadline = time.monotonic() + a.accept_timeout  # stdlib only (python -S): not relocator.waits
         conn = None
         while conn is None:
-            if not _alive(a.dump_pid):
+            if not alive(a.dump_pid):
                 self.state(state="ended", why="the lazy dump ended before a keeper connected", port=port)
                 return 0
             if time.monotonic() > deadline:
@@ -161,7 +162,7 @@ class Pump:
                 now = time.monotonic()
                 if now - last_check > 0.25:
                     last_check = now
-                    if not _alive(a.dump_pid):  # the post-copy ended or was given up
+                    if not alive(a.dump_pid):  # the post-copy ended or was given up
                         break
                 fd = fds.get(hpid)
                 if fd is None:
@@ -201,7 +202,7 @@ def read_state(cell_dir: Path) -> dict | None:
 def stop(cell_dir: Path) -> None:
     """Stop a cell's pump if it still runs (the post-copy ended or was given up)."""
     pid = (read_state(cell_dir) or {}).get("pid")
-    if pid and _alive(pid) and _is_ours(pid, cell_dir, "relocator.agent.pump"):
+    if pid and alive(pid) and is_ours(pid, cell_dir, "relocator.agent.pump"):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
