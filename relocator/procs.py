@@ -89,12 +89,24 @@ def tree(pid: int | None) -> list[int]:
     return [pid, *children(pid)] if pid and alive(pid) else []
 
 
-def pid_ns(pid: int | None) -> str | None:
-    """The PID namespace of `pid` ('pid:[4026531836]'), to tell whose a process is; None: gone."""
+def namespace(kind: str, pid: int | str = "self") -> str | None:
+    """The `kind` namespace ('net', 'mnt', 'pid', ...) of `pid` (this process by default), as
+    its link reads ('net:[4026531840]'), to tell whose a process is; None: gone or none."""
     try:
-        return os.readlink(f"/proc/{pid}/ns/pid") if pid else None
+        return os.readlink(f"/proc/{pid}/ns/{kind}") if pid else None
     except OSError:
         return None
+
+
+def pid_ns(pid: int | None) -> str | None:
+    """The PID namespace of `pid` ('pid:[4026531836]'); None: gone."""
+    return namespace("pid", pid) if pid else None
+
+
+def all_stopped(pids: list[int]) -> bool:
+    """Every one of `pids` still there is stopped, and one at least is there."""
+    states = [s for s in map(status, pids) if s is not None]
+    return bool(states) and all(s in _STOPPED for s in states)
 
 
 def maps_text(pid: int) -> str:

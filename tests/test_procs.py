@@ -65,3 +65,14 @@ def test_host_facts():
     assert procs.boot_id() and procs.boot_id() == procs.boot_id()
     assert procs.pid_ns(os.getpid()) == procs.pid_ns(os.getppid())
     assert procs.pid_ns(2 ** 22 + 12345) is None
+
+
+def test_namespaces_of_this_process():
+    assert procs.namespace("net").startswith("net:[")
+    assert procs.namespace("mnt", os.getpid()) == procs.namespace("mnt")
+    assert procs.namespace("nosuch") is None
+
+
+def test_all_stopped_needs_one_process_there():
+    assert not procs.all_stopped([2 ** 22 + 12345])
+    assert not procs.all_stopped([os.getpid()])

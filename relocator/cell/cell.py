@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from adapters.base import DEFAULT_ENGINE
+from relocator import procs, waits
 from relocator.cell import devices, netns
 from relocator.paths import state_dir, tail
 
@@ -34,10 +35,7 @@ class CellError(RuntimeError):
 
 def boot_id() -> str:
     """This host's boot id: a recorded PID means something only on the boot that wrote it."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
+    return procs.boot_id()
 
 
 _STATE_DIR_LOCK = threading.Lock()
@@ -98,34 +96,15 @@ class Cell:
     # -- process tree ---------------------------------------------------------------------
     def pids(self) -> list[int]:
         """Host PIDs of the whole tree, init first."""
-        out, todo = [], [self.init_pid]
-        while todo:
-            pid = todo.pop(0)
-            out.append(pid)
-            try:
-                for task in os.listdir(f"/proc/{pid}/task"):
-                    todo += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
-            except OSError:
-                continue
-        return out
+        return [self.init_pid, *procs.children(self.init_pid)]
 
     def is_alive(self) -> bool:
         if self.boot_id and self.boot_id != boot_id():
             return False  # recorded on another host or boot: its PID is someone else's now
-        try:
-            state = Path(f"/proc/{self.init_pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return False
-        return state not in ("Z", "X")
+        return procs.alive(self.init_pid)
 
     def is_stopped(self) -> bool:
-        states = []
-        for pid in self.pids():
-            try:
-                states.append(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0])
-            except OSError:
-                continue
-        return bool(states) and all(s in ("T", "t") for s in states)
+        return procs.all_stopped(self.pids())
 
     def signal_tree(self, sig: int) -> None:
         for pid in self.pids():
@@ -146,9 +125,7 @@ class Cell:
                 os.kill(self.init_pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            deadline = time.monotonic() + timeout
-            while self.is_alive() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            waits.gone(self.is_alive, timeout, every=0.05)
         netns.delete(self.netns)
         _remove_record(self.id)
 
@@ -253,13 +230,12 @@ def launch_cell(
     with open(cdir / "init.err", "ab") as err:
         subprocess.run(cmd, check=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
-    deadline = time.monotonic() + timeout
     pid_file = cdir / "init.pid"
-    while not pid_file.exists():
-        if time.monotonic() > deadline:
-            netns.delete(link.name)
-            raise CellError(f"cell {cell_id} did not start within {timeout:.0f}s: {tail(cdir / 'init.err', 20)}")
-        time.sleep(0.02)
+    try:
+        waits.until(pid_file.exists, timeout, every=0.02, what=f"cell {cell_id}'s init")
+    except waits.WaitTimeout:
+        netns.delete(link.name)
+        raise CellError(f"cell {cell_id} did not start within {timeout:.0f}s: {tail(cdir / 'init.err', 20)}") from None
     cell = Cell(id=cell_id, netns=link.name, ip=link.cell_ip, port=port, init_pid=int(pid_file.read_text()),
                 engine=engine, launch=launch or {}, devices=profile.to_dict() if profile.gpus else {})
     cell.save()
