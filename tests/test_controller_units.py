@@ -162,28 +162,19 @@ class FakeAgents:
 
 
 def _fake_controller(tmp_path: Path, nodes: dict[str, tuple[int, int]], workers: list) -> "Controller":
-    import threading
-
     from relocator.controller.controller import Controller
     from relocator.controller.inventory import NodeInfo
-    from relocator.controller.model import TransferMode
     from relocator.controller.store import Store
-    from relocator.planner.policies import PlacementPolicy
 
-    c = Controller.__new__(Controller)  # no Ray: the store, a fixed inventory, fake agents
-    c.store = Store(tmp_path / "controller.db")
+    store = Store(tmp_path / "controller.db")  # no Ray: the store, a fixed inventory, fake agents
     for w in workers:
-        c.store.save_worker(w)
-    c._lock, c._seating, c._busy, c._placing = threading.RLock(), threading.RLock(), set(), set()
-    c._wake, c._announced, c.max_moves = threading.Event(), set(), 4
-    c.transfer, c.policy = TransferMode.SHARED, PlacementPolicy.BEST_FIT
+        store.save_worker(w)
+    events: list = []
     inv = {n: NodeInfo(n, n, total, free) for n, (total, free) in nodes.items()}
-    c.inventory = lambda refresh=False: inv
-    c.backend = FakeAgents()
-    c.node_dir = lambda node: tmp_path / node
-    c.events = []
-    c.emit = lambda kind, **fields: c.events.append((str(kind), fields))
-    c._spawn = lambda rel, recover=False: pytest.fail("a relocation started")
+    c = Controller.without_ray({"base_dir": tmp_path}, FakeAgents(),
+                               lambda kind, **fields: events.append((str(kind), fields)), inv, store)
+    c.events = events
+    c.relocations.spawn = lambda rel, recover=False: pytest.fail("a relocation started")
     return c
 
 
@@ -205,7 +196,7 @@ def test_cordoned_nodes_receive_no_worker(tmp_path: Path) -> None:
     assert c.place(1, exclude=("n2",)) == "n3"
     with pytest.raises(ValueError, match="'n1' is cordoned.*uncordon n1"):
         c.relocate("w2", to="n1")
-    assert not c._busy and not c.store.relocations()
+    assert not c.claims.busy and not c.store.relocations()
     c.store.delete("cordon", "n1")
     c.store.put("cordon", "n2", {"node": "n2", "at": 0, "by": 0})
     plan = c.consolidate(dry_run=True)
@@ -218,7 +209,7 @@ def test_a_worker_past_its_limit_is_only_announced_when_nobody_waits(tmp_path: P
 
     c = _fake_controller(tmp_path, {"n1": (4, 3)}, [_worker("w1", "n1", 1, time_limit_s=5, deadline=time.time() - 1)])
     suspends: list = []
-    c.suspend = lambda *a, **k: suspends.append(a)
+    c.demands.seaters.suspend = lambda *a, **k: suspends.append(a)
     c.update_deadlines()
     c.update_deadlines()
     for t in threading.enumerate():  # the old rule suspended it on a thread of its own
@@ -240,15 +231,15 @@ def test_a_waiting_demand_suspends_a_worker_past_its_limit(tmp_path: Path) -> No
     c = _fake_controller(tmp_path, {"n1": (4, 0)}, [_worker("a", "n1", 2, priority=5, time_limit_s=5, deadline=past),
                                                      _worker("b", "n1", 2)])
     demand = Demand(id="x", kind="launch", model="m", gpus=2)
-    s = c._plan_seating(demand, make_room=True)
+    s = c.demands.plan_seating(demand, make_room=True)
     assert (s.how, s.node, s.suspends) == ("preempt", "n1", ["a"])
     a = c.store.worker("a")
     a.deadline = time.time() + 60
     c.store.save_worker(a)
-    assert c._plan_seating(demand, make_room=True).node is None
+    assert c.demands.plan_seating(demand, make_room=True).node is None
     a.deadline, a.suspend_retry_at = past, time.time() + 30
     c.store.save_worker(a)
-    assert c._plan_seating(demand, make_room=True).node is None
+    assert c.demands.plan_seating(demand, make_room=True).node is None
 
 
 def test_a_failed_suspend_backs_off_and_is_reported(tmp_path: Path) -> None:
@@ -273,8 +264,8 @@ def test_a_failed_suspend_backs_off_and_is_reported(tmp_path: Path) -> None:
     got = {m.name: m.samples[0].value for m in ControllerCollector.demand_metrics([], c.store.workers())}
     assert got["relocator_suspend_backoff_workers"] == 1 and got["relocator_preemptible_workers"] == 1
     c.backend.dump_error = None  # a suspend that works ends the back-off
-    c.router = lambda: pytest.fail("no sibling: the router keeps holding it")
-    c._queue = lambda demand, reason: None
+    c.suspensions.router = lambda: pytest.fail("no sibling: the router keeps holding it")
+    c.suspensions.queue = lambda demand, reason: None
     c.suspend("w1", reason="time_limit")
     w = c.store.worker("w1")
     assert (w.state, w.suspend_failures, w.suspend_retry_at, w.suspend_error) == ("suspended", 0, None, "")
@@ -296,8 +287,8 @@ def test_a_drain_with_a_deadline_sets_aside_workers_past_their_limit_first(tmp_p
         c.store.save_relocation(rel)
         return rel.summary()
 
-    c.relocate = relocate
-    c.suspend = lambda wid, reason="operator", by=None: {"worker": wid, "reason": str(reason)}
+    c.drains.relocate = relocate
+    c.drains.suspend = lambda wid, reason="operator", by=None: {"worker": wid, "reason": str(reason)}
     out = c.drain("n1", by="60s")
     assert [(r["worker"], r["to"]) for r in out["relocations"]] == [("b", "n2")], out
     assert out["suspended"] == [{"worker": "a", "reason": "drain"}], out

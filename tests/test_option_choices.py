@@ -225,16 +225,12 @@ def test_router_process_options(capsys) -> None:
 def _controller(tmp_path):
     from relocator.controller.controller import Controller
     from relocator.controller.inventory import NodeInfo
-    from relocator.controller.model import TransferMode, WorkerRecord
-    from relocator.controller.store import Store
+    from relocator.controller.model import WorkerRecord
 
-    c = Controller.__new__(Controller)  # the calls' checks, without Ray
-    c.store = Store(tmp_path / "controller.db")
-    c.store.save_worker(WorkerRecord(id="w1", model="m", node="n1", gpus=1, state="running"))
-    c._lock, c._busy, c.transfer = threading.RLock(), set(), TransferMode.SHARED
     nodes = {n: NodeInfo(n, n, 4, 3) for n in ("n1", "n2")}
-    c.inventory = lambda refresh=False: nodes
-    c._spawn = lambda rel: pytest.fail("a relocation started")
+    c = Controller.without_ray({"base_dir": tmp_path}, None, lambda kind, **fields: None, nodes)  # without Ray
+    c.store.save_worker(WorkerRecord(id="w1", model="m", node="n1", gpus=1, state="running"))
+    c.relocations.spawn = lambda rel: pytest.fail("a relocation started")
     return c
 
 
@@ -246,7 +242,7 @@ def test_controller_refuses_unknown_transfer_and_faults(tmp_path) -> None:
         c.relocate("w1", "n2", faults={"dmp": True})
     with pytest.raises(ValueError, match="'crash' needs"):
         c.relocate("w1", "n2", faults={"crash": {"phase": "DUMPP"}})
-    assert not c._busy and not list(c.store.open_relocations())  # nothing held, nothing recorded
+    assert not c.claims.busy and not list(c.store.open_relocations())  # nothing held, nothing recorded
     with pytest.raises(ValueError, match="valid: shared, stream, postcopy, auto"):
         c.drain("n1", transfer="rsync")
 

@@ -43,6 +43,8 @@ class EventKind(Choice):
     WORKER_PREEMPTIBLE = "worker_preemptible"  # worker, node, deadline, priority: past its time limit
     SUSPEND_FAILED = "suspend_failed"  # worker, node, reason, error, failures, retry_in_s (its back-off)
     CONSOLIDATED = "consolidated"  # moves, nodes_freed, gpus_moved, results
+    # every change of a worker's state outside a relocation (states.transition)
+    WORKER_STATE = "worker_state"  # worker, node, from, to, why
 
 
 def json_line_logger(path: Path | None) -> None:
