@@ -88,8 +88,8 @@ def test_target_without_the_engine_is_refused_with_a_reason(agent: NodeAgent, la
     assert len(reasons) == 1 and "cannot fingerprint no-such-engine here" in reasons[0]
 
 
-def test_backend_hands_the_launch_record_to_the_target(monkeypatch) -> None:
-    from relocator.controller.backend import RayBackend
+def test_backend_hands_the_launch_record_to_the_target() -> None:
+    from relocator.controller.backend import BackendPorts, RayBackend
     from relocator.controller.model import WorkerRecord
 
     calls: list[tuple] = []
@@ -98,13 +98,24 @@ def test_backend_hands_the_launch_record_to_the_target(monkeypatch) -> None:
                "compatible": ["engine.weight_sha256: image has 'a', target has 'b'"],
                "transient_image_dir": {"path": "/dev/shm/x/n2/images/r1", "on": "tmpfs", "why": "room"}}
 
-    def call(node, method, *args, **kw):
-        calls.append((node, method, *args))
-        return answers[method]
+    class Agents:  # the typed agent client, answering from the table
+        def worker_profile(self, node, cell_id):
+            calls.append((node, "worker_profile", cell_id))
+            return answers["worker_profile"]
 
-    ctl = SimpleNamespace(inventory=lambda: {"n1": 1, "n2": 1}, config={}, node_dir=lambda n: Path("/b/nodes") / n)
-    be = RayBackend(ctl)
-    monkeypatch.setattr(be, "call", call)
+        def compatible(self, node, fingerprint, launch=None, engine=None):
+            calls.append((node, "compatible", fingerprint, launch, engine))
+            return answers["compatible"]
+
+        def transient_image_dir(self, node, name, size_hint, mode):
+            calls.append((node, "transient_image_dir", name, size_hint, mode))
+            return answers["transient_image_dir"]
+
+    config: dict = {}
+    be = RayBackend(BackendPorts(inventory=lambda refresh=False: {"n1": 1, "n2": 1},
+                                 node_dir=lambda n: Path("/b/nodes") / n, place=None, router=None, worker=None,
+                                 setting=config.get))
+    be.agents = Agents()
     w = WorkerRecord(id="w1", model="m", node="n1", gpus=0, cell_id="c1", endpoint="http://a", state="running")
     assert be.compatible(w, "n2") == answers["compatible"]
     assert calls == [("n1", "worker_profile", "c1"), ("n2", "compatible", {"fp": 1}, {"model_dir": "/m"}, "vllm")]
@@ -112,12 +123,12 @@ def test_backend_hands_the_launch_record_to_the_target(monkeypatch) -> None:
     assert be.transient_image_dir(w, "n2", "r1") == ("/dev/shm/x/n2/images/r1", "tmpfs", "room")
     assert calls[-1] == ("n2", "transient_image_dir", "r1", 123, "auto")
     answers["transient_image_dir"] = {"refused": "not a tmpfs (ext4)"}
-    ctl.config["transient_images"] = "tmpfs"
+    config["transient_images"] = "tmpfs"
     with pytest.raises(PlanError, match="n2 cannot keep the image on a tmpfs: not a tmpfs"):
         be.transient_image_dir(w, "n2", "r2")
     assert calls[-2][1] == "worker_profile"  # nothing remembered for this one: asked again
     n = len(calls)
-    ctl.config["transient_images"] = "disk"  # today's behaviour: no agent asked
+    config["transient_images"] = "disk"  # today's behaviour: no agent asked
     assert be.transient_image_dir(w, "n2", "r3") == ("/b/nodes/n2/images/r3", "disk", "transient_images: disk")
     assert len(calls) == n
 
@@ -230,8 +241,8 @@ class TmpfsBackend(FakeBackend):
         super().__init__()
         self.refuse = refuse
 
-    def transfer_plan(self, worker, dst, requested):
-        return requested, ""  # both nodes can do what is asked
+    def transfer_info(self, node):
+        return {"uffd_noncoop": [True, "ok"], "lazy_dump_pipes": [True, "ok"]}  # both can post-copy
 
     def transient_image_dir(self, worker, node, rid):
         self._call("transient_image_dir", worker.id, node, rid)
@@ -243,7 +254,7 @@ class TmpfsBackend(FakeBackend):
 def test_plan_puts_a_postcopy_image_on_the_targets_tmpfs(env) -> None:  # noqa: F811
     store, _ = env
     rel = Relocation(id="r1", worker="w1", src="n1", dst="n2", transfer="postcopy")
-    out = Machine(store, TmpfsBackend())._p_plan(rel, store.worker("w1"))
+    out = Machine(store, TmpfsBackend())._plan(rel, store.worker("w1"))
     assert out == {"to": "n2", "transfer": "postcopy", "image_on": "tmpfs", "image_why": "tmpfs has room"}
     assert rel.dst_image_dir == "/dev/shm/relocator/k/n2/images/r1" and rel.image_dir == "/img/n1/r1"
 

@@ -22,7 +22,7 @@ import pytest
 from relocator.agent.pagestream import TailHasher, complete_manifest, is_page_file, landed
 from relocator.agent.postcopy import PSI, PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE, PS_IOV_GET, Keeper, _Proxy, read_state
 from relocator.agent.transfer import TransferError, iter_chunks, receive_chunks
-from relocator.controller.backend import postcopy_problems
+from relocator.controller.transfers.postcopy import postcopy_problems
 from relocator.snapshot import images
 from relocator.snapshot.manifest import FileEntry, PagesMode, read_manifest
 
@@ -397,15 +397,18 @@ def test_postcopy_problems() -> None:
 class _PostCopyBackend:
     """tests/test_controller_machine.py's fake backend plus a post-copy that ends as told."""
 
-    def __new__(cls, outcome: dict, plan: tuple[str, str] = ("postcopy", "")):
+    def __new__(cls, outcome: dict):
         from tests.test_controller_machine import FakeBackend
 
         be = FakeBackend()
         be.outcome, be.lazy_waits = outcome, 0
 
-        def transfer_plan(worker, dst, requested):
-            be._call("transfer_plan", requested)
-            return plan
+        def shared_storage(src, dst):  # `auto`: no shared image store ...
+            be._call("shared_storage", src, dst)
+            return False
+
+        def transfer_info(node):  # ... and both nodes can post-copy
+            return {"uffd_noncoop": [True, "ok"], "lazy_dump_pipes": [True, "ok"]}
 
         def dump_lazy(node, cell, image_dir):
             be.cells[(node, cell)] = "stopped"  # frozen, serving its memory
@@ -431,7 +434,7 @@ class _PostCopyBackend:
             be.lazy_waits += 1
             return {"done": True, "rc": 0}
 
-        be.transfer_plan, be.dump_lazy, be.restore = transfer_plan, dump_lazy, restore_pc
+        be.shared_storage, be.transfer_info, be.dump_lazy, be.restore = shared_storage, transfer_info, dump_lazy, restore_pc
         be.postcopy_status, be.postcopy_wait, be.lazy_dump_wait = postcopy_status, postcopy_wait, lazy_dump_wait
         return be
 
