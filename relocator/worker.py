@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from pathlib import Path
 
 from adapters.base import DEFAULT_ENGINE, LaunchSpec, get_adapter
+from relocator import waits
 from relocator.cell.cell import Cell, CellError, launch_cell
 
 
@@ -39,13 +39,17 @@ async def wait_ready(cell: Cell, timeout: float = 300.0, poll: float = 0.25) -> 
     """Wait until the cell's engine serves; returns the seconds waited."""
     adapter = get_adapter(cell.engine)
     start = time.monotonic()
-    while time.monotonic() - start < timeout:
+
+    async def serving() -> bool:
         if not cell.is_alive():
             raise CellError(f"cell {cell.id} died while starting:\n{cell.log_tail()}")
-        if await adapter.is_ready(cell.endpoint, timeout=2.0):
-            return time.monotonic() - start
-        await asyncio.sleep(poll)
-    raise CellError(f"cell {cell.id} not ready after {timeout:.0f}s:\n{cell.log_tail()}")
+        return await adapter.is_ready(cell.endpoint, timeout=2.0)
+
+    try:
+        await waits.until_async(serving, timeout, every=poll, what=f"cell {cell.id}'s engine")
+    except waits.WaitTimeout:
+        raise CellError(f"cell {cell.id} not ready after {timeout:.0f}s:\n{cell.log_tail()}") from None
+    return time.monotonic() - start
 
 
 def default_spec(model_dir: Path, name: str = "tiny-llama", port: int | None = None,

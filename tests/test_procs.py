@@ -76,3 +76,29 @@ def test_namespaces_of_this_process():
 def test_all_stopped_needs_one_process_there():
     assert not procs.all_stopped([2 ** 22 + 12345])
     assert not procs.all_stopped([os.getpid()])
+
+
+def test_chaos_finds_a_stray_engine_by_its_state_dir_and_pid_namespace(tmp_path):
+    from relocator.chaos import leaks
+
+    env = {**os.environ, "RELOCATOR_STATE_DIR": str(tmp_path / "nodes" / "a" / "state")}
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "vllm"], env=env)
+    try:
+        for _ in range(200):  # the child's argv is its own once exec'd
+            if procs.cmdline(child.pid)[-1:] == ["vllm"]:
+                break
+            time.sleep(0.01)
+        strays = leaks.engine_processes(tmp_path, [])
+        assert any(s.startswith(f"{child.pid}:") for s in strays)
+        assert leaks.engine_processes(tmp_path / "other", []) == set()
+
+        class Cell:  # a live cell in our own PID namespace: its processes are not strays
+            init_pid = os.getpid()
+
+            def is_alive(self):
+                return True
+
+        assert not any(s.startswith(f"{child.pid}:") for s in leaks.engine_processes(tmp_path, [Cell()]))
+    finally:
+        child.kill()
+        child.wait()

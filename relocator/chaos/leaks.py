@@ -10,10 +10,11 @@ ends with its move).
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 from typing import Any, Iterable
+
+from relocator import procs
 
 KINDS = ("cells", "netns", "images", "placement_groups", "processes", "transfers")
 
@@ -80,13 +81,6 @@ def placement_groups() -> set[str]:
             if str(pg.get("name", "")).startswith("relocator-") and pg.get("state") != "REMOVED"}
 
 
-def _pidns(pid: int) -> str | None:
-    try:
-        return os.readlink(f"/proc/{pid}/ns/pid")
-    except OSError:
-        return None
-
-
 def engine_processes(base: Path, live_cells: Iterable[Any]) -> set[str]:
     """Engine processes (any adapter's `process_markers` in the command line) whose
     RELOCATOR_STATE_DIR is under `base` and whose PID namespace is not that of a recorded, live
@@ -95,35 +89,26 @@ def engine_processes(base: Path, live_cells: Iterable[Any]) -> set[str]:
 
     markers = {m for name in engine_names() for m in get_adapter(name).process_markers}
     base_s = str(Path(base).resolve())
-    cell_ns = {_pidns(c.init_pid) for c in live_cells if c.is_alive()} - {None}
+    cell_ns = {procs.pid_ns(c.init_pid) for c in live_cells if c.is_alive()} - {None}
     out = set()
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
+    for pid, (_, argv) in procs.process_table().items():
+        cmd = "\0".join(argv).encode(errors="replace")
+        if not any(m in cmd for m in markers):
             continue
-        try:
-            cmd = Path(f"/proc/{d}/cmdline").read_bytes()
-            if not any(m in cmd for m in markers):
-                continue
-            env = Path(f"/proc/{d}/environ").read_bytes()
-        except OSError:
+        if not procs.environ(pid).get("RELOCATOR_STATE_DIR", "").startswith(base_s):
             continue
-        if f"RELOCATOR_STATE_DIR={base_s}".encode() not in env:
+        if procs.pid_ns(pid) in cell_ns:
             continue
-        if _pidns(int(d)) in cell_ns:
-            continue
-        exe = cmd.split(b"\x00")[0].decode(errors="replace")[-40:]
-        out.add(f"{d}:{exe}")
+        out.add(f"{pid}:{argv[0][-40:]}")
     return out
 
 
 def transfer_processes(base: Path) -> set[str]:
     """`criu page-server`, `criu dump --lazy-pages`, `criu lazy-pages` and post-copy keepers
     whose directories are under `base`."""
-    from relocator.procs import process_table
-
     base_s = str(Path(base).resolve())
     out = set()
-    for pid, (_, argv) in process_table().items():
+    for pid, (_, argv) in procs.process_table().items():
         if not argv or not any(base_s in a for a in argv):
             continue
         criu = argv[0].endswith("criu") and (
@@ -140,13 +125,10 @@ def _foreign_netns(name: str, base: Path) -> bool:
     from relocator.cell import netns as ns
 
     pids = ns.pids(name)
-    mine = f"RELOCATOR_STATE_DIR={Path(base).resolve()}".encode()
+    mine = str(Path(base).resolve())
     for pid in pids:
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:
-            continue
-        if b"RELOCATOR_STATE_DIR=" in env and mine not in env:
+        theirs = procs.environ(pid).get("RELOCATOR_STATE_DIR")
+        if theirs is not None and not theirs.startswith(mine):
             return True
     return False
 

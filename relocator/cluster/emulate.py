@@ -25,11 +25,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from relocator import procs, waits
 from relocator.cluster.config import REPO
 
 BRIDGE = "rlemu0"
@@ -280,8 +280,10 @@ def kill_host(h: EmulatedHost, cells: bool = True) -> dict[str, Any]:
     """A host dies: every process of its namespace and (`cells`) every cell it runs, SIGKILLed."""
     killed = []
     for pid in host_pids(h):
+        comm = procs.name(pid)
+        if not comm:
+            continue  # gone already
         try:
-            comm = Path(f"/proc/{pid}/comm").read_text().strip()
             os.kill(pid, signal.SIGKILL)
             killed.append(f"{pid} {comm}")
         except (ProcessLookupError, OSError):
@@ -331,9 +333,7 @@ def stop(cluster: EmulatedCluster, timeout: float = 5.0) -> dict[str, Any]:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(host_pids(h) for h in cluster.hosts):
-        time.sleep(0.2)
+    waits.gone(lambda: any(host_pids(h) for h in cluster.hosts), timeout, every=0.2)
     for h in cluster.hosts:
         out["hosts"][h.name] = {"forced": kill_host(h, cells=False)["pids"], "cells_removed": _remove_cells(h)}
     delete_network(cluster)

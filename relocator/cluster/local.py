@@ -14,27 +14,17 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
+from relocator import procs, waits
 from relocator.cluster.config import REPO, LocalConfig
 # re-exported: callers outside cluster/ read the record through local
 from relocator.cluster.info import RAY_ENV, ClusterError, info_path, read_info, write_deployed  # noqa: F401
 
 
 def _alive(pid: int) -> bool:
-    if pid <= 0:  # never a process group or "every process"
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except OSError:
-        return False
+    return procs.alive(pid)  # never a pid <= 0 (a process group or "every process")
 
 
 def up(config: LocalConfig | None = None, timeout: float = 120.0) -> dict[str, Any]:
@@ -63,20 +53,25 @@ def up(config: LocalConfig | None = None, timeout: float = 120.0) -> dict[str, A
     env = {**os.environ, **RAY_ENV, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "relocator.cluster.daemon", str(base)], cwd=REPO, env=env,
                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = read_info(base)
-        if info and info.get("daemon_pid") == proc.pid:
-            if info.get("error"):
-                proc.wait(30)
-                raise ClusterError(f"cluster failed to start: {info['error']}")
-            return info
-        if proc.poll() is not None:
-            tail = (base / "daemon.log").read_text(errors="replace")[-3000:]
-            raise ClusterError(f"cluster daemon exited with {proc.returncode}:\n{tail}")
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    raise ClusterError(f"cluster not up after {timeout:.0f}s; see {base / 'daemon.log'}")
+    try:
+        return waits.until(lambda: _started(proc, base), timeout, every=0.2, what="the cluster daemon")
+    except waits.WaitTimeout:
+        proc.send_signal(signal.SIGTERM)
+        raise ClusterError(f"cluster not up after {timeout:.0f}s; see {base / 'daemon.log'}") from None
+
+
+def _started(proc: subprocess.Popen, base: Path) -> dict[str, Any] | None:
+    """cluster.json once the daemon wrote it; a ClusterError when it failed or exited."""
+    info = read_info(base)
+    if info and info.get("daemon_pid") == proc.pid:
+        if info.get("error"):
+            proc.wait(30)
+            raise ClusterError(f"cluster failed to start: {info['error']}")
+        return info
+    if proc.poll() is not None:
+        tail = (base / "daemon.log").read_text(errors="replace")[-3000:]
+        raise ClusterError(f"cluster daemon exited with {proc.returncode}:\n{tail}")
+    return None
 
 
 def down(base_dir: str | Path | None = None, timeout: float = 90.0) -> dict[str, Any]:
@@ -101,9 +96,7 @@ def down(base_dir: str | Path | None = None, timeout: float = 90.0) -> dict[str,
     out: dict[str, Any] = {"stopped": True, "daemon_pid": pid, "forced": []}
     if _alive(pid):
         os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        waits.gone(lambda: _alive(pid), timeout, every=0.2)
     # Whatever is still there (daemon killed hard, or it hung): processes it recorded.
     for p in [pid, *info.get("pids", [])]:
         if _alive(p):

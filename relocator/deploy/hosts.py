@@ -14,6 +14,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from relocator import procs
+
 
 def _read(path: str) -> str:
     try:
@@ -47,7 +49,7 @@ def probe(base_dir: str, shared_marker: str | None = None) -> dict[str, Any]:
     checks.append({"name": f"state dir {base_dir} writable", "ok": writable, "detail": "yes" if writable else "no",
                    "fix": "create it, on local disk, writable by root", "warning": False})
     out = {
-        "hostname": socket.gethostname(), "boot_id": _read("/proc/sys/kernel/random/boot_id"),
+        "hostname": socket.gethostname(), "boot_id": procs.boot_id(),
         "machine_id": _read("/etc/machine-id"), "kernel": platform.release(), "criu": criu_version,
         "cell_pool": str(netns.POOL), "cell_routes": netns.cell_routes(),
         "gpus": [g.to_dict() for g in local_gpus()], "checks": checks,

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from pathlib import Path
 
+from relocator import procs
 from relocator.snapshot.fingerprint import gpu_info
 
 
@@ -52,10 +52,7 @@ def cuda_pids(pids: list[int]) -> list[int]:
     """The processes of a tree that map the NVIDIA driver, i.e. hold CUDA state."""
     out = []
     for pid in pids:
-        try:
-            maps = Path(f"/proc/{pid}/maps").read_text()
-        except OSError:
-            continue
+        maps = procs.maps_text(pid)  # '' when gone
         if "/dev/nvidia" in maps or "libcuda.so" in maps:
             out.append(pid)
     return out

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import platform
 from functools import lru_cache
-from pathlib import Path
 
 from pydantic import BaseModel
 
 from adapters.base import EngineFingerprint
+from relocator import procs
 from relocator.snapshot import criu
 
 
@@ -48,13 +48,8 @@ class Mismatch(BaseModel):
 
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    model = procs.cpuinfo("model name")
+    return model if model is not None else platform.processor() or "unknown"
 
 
 @lru_cache(maxsize=1)

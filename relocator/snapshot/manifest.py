@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, Field, ValidationError
 
+from relocator import procs
 from relocator.snapshot.fingerprint import Fingerprint
 
 SCHEMA_VERSION = 1
@@ -146,10 +147,7 @@ def read_manifest(image_dir: Path) -> Manifest:
 
 
 def _boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
+    return procs.boot_id()
 
 
 def _file_stats(image_dir: Path, names: list[str]) -> dict[str, list[int]]:
