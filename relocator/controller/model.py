@@ -133,7 +133,7 @@ class WorkerRecord:
     engine: str = DEFAULT_ENGINE
     cell_id: str = ""
     endpoint: str = ""
-    state: str = WorkerState.STARTING  # a WorkerState
+    state: WorkerState = WorkerState.STARTING  # written through states.transition
     reservation: str = ""  # name of the placement group holding its GPUs
     gpu_ids: list[int] = field(default_factory=list)  # the node's GPU indices Ray gave that reservation
     model_dir: str = ""
@@ -155,6 +155,9 @@ class WorkerRecord:
     suspend_failures: int = 0  # in a row; reset by a suspend that works
     suspend_retry_at: float | None = None
     suspend_error: str = ""
+
+    def __post_init__(self) -> None:
+        self.state = WorkerState(self.state)  # a stored or passed string; unknown: ValueError
 
     def past_deadline(self, now: float) -> bool:
         """Running past its time limit: preemptible, i.e. any waiting demand (not only a
