@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from relocator import waits
 from relocator.controller.controller import BLACKOUT_PHASES
 
 MODEL = "tiny-llama"
@@ -95,8 +96,7 @@ class Day:
         return (time.monotonic() - self.t0) / self.scale
 
     def _sleep_until(self, t: float) -> None:
-        while not self._stop.is_set() and self.now() < t:
-            time.sleep(min(0.2, max(0.0, (t - self.now()) * self.scale)))
+        self._stop.wait(max(0.0, (t - self.now()) * self.scale))  # early when the run stops
 
     def _state(self, wid: str) -> str | None:
         for w in self.ctl.status()["workers"]:
@@ -108,45 +108,50 @@ class Day:
         s = o.step
         self._sleep_until(s.at)
         o.requested = time.monotonic()
-        kw = dict(worker_id=s.id, engine=self.engine, priority=s.priority, time_limit=s.time_limit_s)
-        try:
-            while not o.stopped and self.now() < s.stop:
-                o.attempts += 1
-                try:
-                    res = self.ctl.launch(MODEL, s.gpus, make_room=self.moves, **kw)
-                except RuntimeError as exc:  # the stock scheduler: nothing fits, wait and try again
-                    if self.moves or "exists" in str(exc):
-                        raise
-                    o.error = str(exc)
-                    time.sleep(1.0)
-                    continue
-                if res.get("state") == "pending":  # queued: the reconcile loop seats it
-                    while not o.stopped and self.now() < s.stop and self._state(s.id) != "running":
-                        time.sleep(0.5)
-                    if self._state(s.id) != "running":
-                        break
-                o.served, o.error = time.monotonic(), ""
-                self.log(f"{'moves' if self.moves else 'stock'} t={self.now():.0f}: {s.id} ({s.gpus} GPU, "
-                         f"p{s.priority}) serves after {o.served - o.requested:.1f}s")
-                break
+        try:  # until it serves, is given up, or its stop time comes (a try a second)
+            waits.settle(lambda: o.stopped or self.now() >= s.stop or self._attempt(o), None, every=1.0)
         except Exception as exc:  # noqa: BLE001 - recorded as a launch failure
             o.error = str(exc)
         finally:
             o.done.set()
 
+    def _attempt(self, o: Outcome) -> bool:
+        """One launch: True when done (it serves, or its pending demand was not seated in time),
+        False to try again (the stock scheduler: nothing fits)."""
+        s = o.step
+        o.attempts += 1
+        kw = dict(worker_id=s.id, engine=self.engine, priority=s.priority, time_limit=s.time_limit_s)
+        try:
+            res = self.ctl.launch(MODEL, s.gpus, make_room=self.moves, **kw)
+        except RuntimeError as exc:
+            if self.moves or "exists" in str(exc):
+                raise
+            o.error = str(exc)
+            return False
+        if res.get("state") == "pending":  # queued: the reconcile loop seats it
+            waits.settle(lambda: o.stopped or self.now() >= s.stop or self._state(s.id) == "running", None,
+                         every=0.5)
+            if self._state(s.id) != "running":
+                return True
+        o.served, o.error = time.monotonic(), ""
+        self.log(f"{'moves' if self.moves else 'stock'} t={self.now():.0f}: {s.id} ({s.gpus} GPU, "
+                 f"p{s.priority}) serves after {o.served - o.requested:.1f}s")
+        return True
+
     def _stop_worker(self, o: Outcome) -> None:
         self._sleep_until(o.step.stop)
         o.stopped = True
         o.done.wait(120)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                self.ctl.stop_worker(o.step.id)
-                return
-            except KeyError:  # never launched (or its pending demand is gone)
-                return
-            except RuntimeError:  # busy (a move, a suspend, a resume): again in a moment
-                time.sleep(1.0)
+        waits.settle(lambda: self._try_stop(o.step.id), 120, every=1.0)
+
+    def _try_stop(self, wid: str) -> bool:
+        try:
+            self.ctl.stop_worker(wid)
+        except KeyError:  # never launched (or its pending demand is gone)
+            pass
+        except RuntimeError:  # busy (a move, a suspend, a resume): again in a moment
+            return False
+        return True
 
     def run(self) -> dict:
         from relocator.cluster.streams import Load, reference
