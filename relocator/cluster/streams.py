@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import aiohttp
 
+from relocator.router import sse
 from relocator.router.auth import client_headers  # RELOCATOR_API_KEY, for a keyed router
 
 PROMPTS = [
@@ -56,30 +57,22 @@ async def stream_once(session: aiohttp.ClientSession, url: str, model: str, prom
             if r.status != 200:
                 res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
                 return res
-            buf = b""
-            async for chunk in r.content.iter_any():
-                buf += chunk
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    for line in event.split(b"\n"):
-                        if not line.startswith(b"data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == b"[DONE]":
-                            done = True
-                            continue
-                        obj = json.loads(data)
-                        if "error" in obj:
-                            res.error = f"error event: {obj['error']}"
-                            continue
-                        for ch in obj.get("choices", []):
-                            res.text += ch.get("text") or ""
-                            ids = ch.get("token_ids") or []
-                            if ids:
-                                res.tokens.extend(ids)
-                                res.times.append(time.monotonic())
-                            if ch.get("finish_reason"):
-                                res.finish_reason = ch["finish_reason"]
+            async for data in sse.read(r.content.iter_any()):
+                if data == sse.DONE_PAYLOAD:
+                    done = True
+                    continue
+                obj = json.loads(data)
+                if "error" in obj:
+                    res.error = f"error event: {obj['error']}"
+                    continue
+                for ch in obj.get("choices", []):
+                    res.text += ch.get("text") or ""
+                    ids = ch.get("token_ids") or []
+                    if ids:
+                        res.tokens.extend(ids)
+                        res.times.append(time.monotonic())
+                    if ch.get("finish_reason"):
+                        res.finish_reason = ch["finish_reason"]
         if not done and not res.error:
             res.error = "stream ended without [DONE]"
     except Exception as exc:  # noqa: BLE001 - a client error is a result

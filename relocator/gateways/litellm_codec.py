@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any, AsyncIterator
 
+from relocator.router import sse
+
 
 class StreamError(Exception):
     """An error event in the core's stream (e.g. `continuation_failed`): the stream ends."""
@@ -66,20 +68,13 @@ def _usage(u: dict) -> dict:
 async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[dict]:
     """The JSON events of the core's stream (it yields whole events only); `[DONE]` ends it,
     an error event (`continuation_failed`, `worker_unreachable`, ...) is raised."""
-    buf = b""
-    async for data in chunks:
-        buf += data
-        while b"\n\n" in buf:
-            ev, buf = buf.split(b"\n\n", 1)
-            if not ev.startswith(b"data: "):
-                continue
-            payload = ev[6:]
-            if payload == b"[DONE]":
-                return
-            obj = json.loads(payload)
-            if "error" in obj and "choices" not in obj:
-                err = obj["error"] if isinstance(obj["error"], dict) else {"message": obj["error"]}
-                code = err.get("code")
-                raise StreamError(503 if code in ("worker_unreachable", "hold_timeout") else 502,
-                                  str(err.get("message")), code)
-            yield obj
+    async for payload in sse.read(chunks):
+        if payload == sse.DONE_PAYLOAD:
+            return
+        obj = json.loads(payload)
+        if "error" in obj and "choices" not in obj:
+            err = obj["error"] if isinstance(obj["error"], dict) else {"message": obj["error"]}
+            code = err.get("code")
+            raise StreamError(503 if code in ("worker_unreachable", "hold_timeout") else 502,
+                              str(err.get("message")), code)
+        yield obj

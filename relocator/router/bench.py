@@ -18,6 +18,8 @@ import aiohttp
 
 from relocator.ports import free_port
 
+from . import sse
+
 
 async def _wait_http(url: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
@@ -63,7 +65,7 @@ async def load(url: str, model: str, concurrency: int, duration_s: float, tokens
                             if first is None:
                                 first = time.perf_counter() - t0
                             last = chunk
-                        ok = r.status == 200 and last.endswith(b"data: [DONE]\n\n")
+                        ok = r.status == 200 and sse.ends_done(last)
                 except Exception:
                     ok = False
                 if t0 >= measure_from:
@@ -157,6 +159,8 @@ async def run_bench(concurrency: int = 100, duration_s: float = 5.0, tokens: int
 async def correctness(vllm_url: str) -> dict[str, Any]:
     """Greedy streams through the router equal direct ones on a real vLLM worker, including a
     stream switched mid-way (to the same worker: the continuation path)."""
+    from relocator.cluster.streams import compare_ids
+
     from .client import RouterControl
     from .config import BackendConfig, RouterSettings
     from .server import RouterServer
@@ -173,17 +177,11 @@ async def correctness(vllm_url: str) -> dict[str, Any]:
 
             async def ids(url: str, switch: bool) -> list[int]:
                 got: list[int] = []
-                import json
-
                 async with s.post(url + "/v1/completions", json=body) as r:
-                    buf = b""
-                    async for d in r.content.iter_any():
-                        buf += d
-                        while b"\n\n" in buf:
-                            ev, buf = buf.split(b"\n\n", 1)
-                            if ev.startswith(b"data: {"):
-                                c = json.loads(ev[6:])
-                                got += c["choices"][0].get("token_ids") or []
+                    async for p in sse.read(r.content.iter_any()):
+                        c = sse.json_object(p)
+                        if c is not None:
+                            got += c["choices"][0].get("token_ids") or []
                         if switch and got:
                             switch = False
                             async with RouterControl(srv.control_url) as rc:
@@ -193,7 +191,8 @@ async def correctness(vllm_url: str) -> dict[str, Any]:
             ref = await ids(vllm_url, False)
             plain = await ids(srv.url, False)
             moved = await ids(srv.url, True)
-            return {"model": model, "tokens": len(ref), "passthrough_identical": plain == ref,
-                    "continued_identical": moved == ref}
+            return {"model": model, "tokens": len(ref),
+                    "passthrough_identical": compare_ids(ref, plain)["first_divergence"] < 0,
+                    "continued_identical": compare_ids(ref, moved)["first_divergence"] < 0}
         finally:
             await srv.stop()

@@ -12,15 +12,15 @@ gets here, and reports usage with the prompt counted once and the completions su
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any, AsyncGenerator, AsyncIterator
 
 from adapters.codec import dumps
 
+from . import sse
 from .errors import RouterError
+from .sse import DONE
 from .stream import lax_bool
 
-DONE = b"data: [DONE]\n\n"
 #: more choices than this are sent as they are (one request, not continued on a move)
 MAX_CHOICES = 32
 
@@ -71,17 +71,9 @@ class Merge:
 
     def events(self, index: int, data: bytes) -> list[bytes]:
         out = []
-        for ev in data.split(b"\n\n"):
-            if not ev.startswith(b"data:"):
-                continue
-            payload = ev[5:].strip()
-            if payload == b"[DONE]":
-                continue  # one [DONE], at the end of the merge
-            try:
-                obj = json.loads(payload)
-            except ValueError:
-                continue
-            if not isinstance(obj, dict):
+        for payload in sse.payloads(data):
+            obj = sse.json_object(payload)  # [DONE] is none: one comes at the end of the merge
+            if obj is None:
                 continue
             if "error" in obj and "choices" not in obj:
                 out.append(b"data: " + dumps(obj) + b"\n\n")  # this choice ended in an error

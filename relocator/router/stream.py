@@ -21,7 +21,9 @@ from typing import Any
 
 from adapters.codec import ContinuationCodec, Delta, Kind, chat_logprobs, dumps, parse_ids
 
-DONE = b"data: [DONE]\n\n"
+from . import sse
+from .sse import DONE
+
 _DECODER = json.JSONDecoder()
 
 
@@ -45,7 +47,7 @@ class StreamState:
         self.strip = False
         self.unsupported: str | None = None
         self.wants_ids = False
-        self.buf = b""
+        self.frames = sse.Framer()  # the upstream's partial event
         self.first_event: bytes | None = None
         self.prompt_raw: bytes | None = None
         self.out_raw: list[bytes] = []
@@ -125,17 +127,9 @@ class StreamState:
 
     # ------------------------------------------------------------------ normal path
     def feed(self, data: bytes) -> bytes:
-        if self.buf:
-            data = self.buf + data
-            self.buf = b""
-        end = data.rfind(b"\n\n")
-        if end < 0:
-            self.buf = data
+        data = self.frames.push(data)
+        if not data:
             return b""
-        end += 2
-        if end != len(data):
-            self.buf = data[end:]
-            data = data[:end]
         if self.cont:
             return self._feed_cont(data)
         if self.first_event is None:
@@ -163,14 +157,9 @@ class StreamState:
     def _record_offsets(self, data: bytes) -> None:
         """Where the next token's logprobs text offset starts (vLLM: the previous offset plus
         the previous token's length)."""
-        for ev in data.split(b"\n\n"):
-            if not ev.startswith(b"data: {") or b'"text_offset"' not in ev:
-                continue
-            try:
-                obj = json.loads(ev[6:])
-            except ValueError:
-                continue
-            for c in obj.get("choices") or ():
+        for payload in sse.payloads(data):
+            obj = sse.json_object(payload) if b'"text_offset"' in payload else None
+            for c in (obj or {}).get("choices") or ():
                 lp = c.get("logprobs") or {}
                 offs, toks = lp.get("text_offset"), lp.get("tokens")
                 if offs and toks:
@@ -201,7 +190,7 @@ class StreamState:
     def restart(self) -> None:
         """The upstream broke before anything reached the client: the request is sent again
         from the start, so nothing of the broken attempt (a partial event) may remain."""
-        self.buf = b""
+        self.frames.clear()
         self.first_event = None
         self.prompt_raw = None
         self.out_raw = []
@@ -250,7 +239,7 @@ class StreamState:
         self._ensure_tmpl()
         self.cont = True
         self.legs += 1
-        self.buf = b""
+        self.frames.clear()
         self.leg_codec = codec or self.engine
         if self.legs == 1:
             self.prompt_len = len(self.prompt_ids or ())
@@ -264,13 +253,7 @@ class StreamState:
             return
         obj: dict = {}
         if self.first_event:
-            for ev in self.first_event.split(b"\n\n"):
-                if ev.startswith(b"data: {"):
-                    try:
-                        obj = json.loads(ev[6:])
-                        break
-                    except ValueError:
-                        pass
+            obj = next(filter(None, map(sse.json_object, sse.payloads(self.first_event))), {})
         self.tmpl = {"id": obj.get("id", "cmpl-relocator"),
                      "object": obj.get("object", "chat.completion.chunk" if self.kind == "chat"
                                        else "text_completion"),
@@ -285,21 +268,15 @@ class StreamState:
 
     def _feed_cont(self, data: bytes) -> bytes:
         out = []
-        for ev in data.split(b"\n\n"):
-            if not ev:
-                continue
-            if not ev.startswith(b"data:"):
-                continue
-            payload = ev[5:].strip()
-            if payload == b"[DONE]":
+        for payload in sse.payloads(data):
+            if payload == sse.DONE_PAYLOAD:
                 if self.include_usage and not self.usage_sent:
                     out.append(self._usage_event(None))
                 out.append(DONE)
                 self.done = True
                 break
-            try:
-                obj = json.loads(payload)
-            except ValueError:
+            obj = sse.json_object(payload)
+            if obj is None:
                 continue
             d = self.leg_codec.parse_chunk(obj)
             if d.error is not None:
