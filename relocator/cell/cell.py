@@ -23,6 +23,7 @@ from typing import Any, Iterator
 
 from adapters.base import DEFAULT_ENGINE
 from relocator import procs, waits
+from relocator.choices import Choice
 from relocator.cell import devices, netns
 from relocator.paths import state_dir, tail
 
@@ -31,6 +32,16 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 class CellError(RuntimeError):
     pass
+
+
+class CellState(Choice):
+    """What a node's agent says of a cell (`cell_state`); LOST is the controller's word for a
+    cell on a node Ray declared dead (no agent to ask)."""
+
+    RUNNING = "running"
+    STOPPED = "stopped"  # frozen: left stopped by a dump, resumable
+    ABSENT = "absent"  # no such cell, or its tree is gone
+    LOST = "lost"
 
 
 def boot_id() -> str:
@@ -105,6 +116,11 @@ class Cell:
 
     def is_stopped(self) -> bool:
         return procs.all_stopped(self.pids())
+
+    def state(self) -> CellState:
+        if not self.is_alive():
+            return CellState.ABSENT
+        return CellState.STOPPED if self.is_stopped() else CellState.RUNNING
 
     def signal_tree(self, sig: int) -> None:
         for pid in self.pids():

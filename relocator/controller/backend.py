@@ -17,6 +17,7 @@ from typing import Any, Callable
 from tenacity import Retrying, retry_if_not_exception_type, stop_after_delay, wait_fixed
 
 from relocator.agent.agent import NAMESPACE, agent_name
+from relocator.cell.cell import CellState
 from relocator.controller.errors import NodeLost, PlanError
 from relocator.controller.model import WorkerRecord, tokenizer_of
 from relocator.controller.transfers import MODE_CALLS
@@ -284,7 +285,7 @@ class RayBackend(*MODE_CALLS):  # type: ignore[misc]  # each transfer mode's age
         try:
             return retrying(self.agents.cell_state, node, cell_id)
         except NodeLost:
-            return "lost"
+            return CellState.LOST
 
     def resume(self, node: str, cell_id: str) -> None:
         self.agents.resume(node, cell_id)

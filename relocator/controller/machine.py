@@ -17,6 +17,7 @@ from typing import Any, Callable, Protocol
 
 from tenacity import Retrying, stop_after_delay, wait_fixed
 
+from relocator.cell.cell import CellState
 from relocator.controller import transfers
 from relocator.controller.errors import (FaultInjected, PlanError, PostCopyFailed, RelocationError,
                                          RollbackAfterSwitch, SimulatedCrash, TargetLost)
@@ -79,7 +80,7 @@ class Backend(Protocol):
     def transfer(self, src: str, dst: str, image_dir: str, dst_image_dir: str) -> dict: ...
     def restore(self, node: str, image_dir: str, cell_id: str, verified: bool = False,
                 gpu_ids: list[int] | None = None) -> dict: ...
-    def cell_state(self, node: str, cell_id: str) -> str: ...  # running | stopped | absent | lost
+    def cell_state(self, node: str, cell_id: str) -> str: ...  # a CellState: running | stopped | absent | lost
     def resume(self, node: str, cell_id: str) -> None: ...
     def kill(self, node: str, cell_id: str) -> None: ...
     def remove_image(self, node: str, image_dir: str) -> None: ...
@@ -281,9 +282,9 @@ class Machine:
         # Until RELEASE the stopped source is the resumable copy: never point clients at, or
         # kill the source for, a target that died after RESTORE said it was healthy.
         state = self.backend.cell_state(rel.dst, rel.dst_cell)
-        if state != "running":
+        if state != CellState.RUNNING:
             exc = TargetLost(f"target copy {rel.dst_cell} on {rel.dst} is {state} {when}")
-            if state == "lost":
+            if state == CellState.LOST:
                 exc.reason = FailureReason.NODE_LOST
             raise exc
 
@@ -383,19 +384,19 @@ class Machine:
 
     def _resume_source(self, rel: Relocation, undo: "_Undo") -> bool:
         """Resume the stopped source; False if no source copy is left."""
-        state = "absent"
+        state = CellState.ABSENT
         try:
             state = self.backend.cell_state(rel.src, rel.src_cell)
         except Exception as exc:  # noqa: BLE001
             undo.errors.append(f"source state: {exc}")
-        if state not in ("stopped", "running"):
+        if state not in (CellState.STOPPED, CellState.RUNNING):
             undo.errors.append(f"source cell {rel.src_cell} is {state}")
             return False
         # "running" too: a dump cut short (its agent killed) released the tasks but may have
         # left CRIU's network lock; resuming is idempotent and drops it
         undo.step("resume source", lambda: self.backend.resume(rel.src, rel.src_cell))
         try:  # a tree that did not take the SIGCONT gets one more
-            if self.backend.cell_state(rel.src, rel.src_cell) == "stopped":
+            if self.backend.cell_state(rel.src, rel.src_cell) == CellState.STOPPED:
                 undo.step("resume source again", lambda: self.backend.resume(rel.src, rel.src_cell))
         except Exception as exc:  # noqa: BLE001
             undo.errors.append(f"source state after resume: {exc}")
@@ -431,12 +432,12 @@ class Machine:
         if idx < 0:
             return self._finish(rel, ROLLED_BACK)
         if idx >= I_SWITCH:
-            state = "absent"
+            state = CellState.ABSENT
             try:
                 state = self.backend.cell_state(rel.dst, rel.dst_cell)
             except Exception as exc:  # noqa: BLE001
                 rel.error = f"target state: {exc}"
-            if state == "running":
+            if state == CellState.RUNNING:
                 w = self.store.worker(rel.worker)
                 if w is None:
                     return self._finish(rel, FAILED)

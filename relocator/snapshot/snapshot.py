@@ -281,16 +281,8 @@ class LazySource(Protocol):
     def abort(self) -> None: ...
 
 
-def restore(image: Image | Path, target: RestoreTarget | None = None, progress: Progress = _noop,
-            lazy: LazySource | None = None) -> Cell:
-    """Verify `image` against this host and restore it into a new cell; returns the cell.
-
-    Raises ImageError (corrupt, truncated or tampered image) or IncompatibleImage (with every
-    mismatch) before anything is started; CriuError if CRIU fails. The source is never touched.
-    `lazy`: a post-copy restore of an image dumped with `dump_lazy` (required for one): the
-    tree runs at once and its memory keeps arriving after this returns.
-    """
-    target = target or RestoreTarget()
+def _read_for_restore(image: Image | Path, lazy: LazySource | None) -> Image:
+    """The image on disk, refused before anything starts if it cannot be restored here so."""
     path = Path(image) if isinstance(image, (str, Path)) else image.path
     if not path.is_dir():
         raise ImageError(f"{path}: no such image directory")
@@ -303,9 +295,14 @@ def restore(image: Image | Path, target: RestoreTarget | None = None, progress: 
                          "restored with the source's page server (transfer postcopy)")
     if lazy is not None and manifest.pages != PagesMode.LAZY:
         raise ImageError(f"{path}: not a post-copy image (pages: {manifest.pages})")
-    image = Image(path=path, manifest=manifest)
-    t0 = time.monotonic()
-    mode = VerifyMode(target.verify)
+    return Image(path=path, manifest=manifest)
+
+
+def _verify_for_restore(image: Image, verify: VerifyMode | str, progress: Progress) -> str:
+    """Check the image's files as `verify` asks; returns how they were checked (stamp: this host
+    hashed these very files already; none: sizes only; full: every checksum)."""
+    manifest = image.manifest
+    mode = VerifyMode(verify)
     verified_by = {VerifyMode.FULL: "full", VerifyMode.NONE: "none"}.get(mode) or (
         "stamp" if stamp_is_fresh(image.path, manifest) else "full")
     if verified_by == "stamp":
@@ -325,9 +322,47 @@ def restore(image: Image | Path, target: RestoreTarget | None = None, progress: 
             progress("verify checksums", done / total if total else 1.0)
 
         verify_files(image.path, manifest, tick)
-    verify_s = time.monotonic() - t0
+    return verified_by
+
+
+def _criu_restore(image: Image, link: Any, cdir: Path, restore_args: list[str], lazy: LazySource | None,
+                  marks: dict[str, float]) -> int:
+    """`criu restore` into the new cell's namespace (post-copy: its lazy-pages daemon first);
+    on failure the namespace and the cell directory are removed again. Returns the init pid."""
+    t = time.monotonic()
+    try:
+        if lazy is not None:
+            lazy.start(image.path, cdir)
+            marks["lazy_start_s"] = time.monotonic() - t
+        t1 = time.monotonic()
+        pid = criu.restore(image.path, link.path, cdir / "init.pid", log_dir=cdir, extra_args=restore_args,
+                           lazy=lazy is not None)
+    except BaseException:
+        if lazy is not None:
+            lazy.abort()
+        netns.delete(link.name)
+        shutil.rmtree(cdir, ignore_errors=True)
+        raise
+    marks["criu_s"] = time.monotonic() - t1
+    return pid
+
+
+def restore(image: Image | Path, target: RestoreTarget | None = None, progress: Progress = _noop,
+            lazy: LazySource | None = None) -> Cell:
+    """Verify `image` against this host and restore it into a new cell; returns the cell.
+
+    Raises ImageError (corrupt, truncated or tampered image) or IncompatibleImage (with every
+    mismatch) before anything is started; CriuError if CRIU fails. The source is never touched.
+    `lazy`: a post-copy restore of an image dumped with `dump_lazy` (required for one): the
+    tree runs at once and its memory keeps arriving after this returns.
+    """
+    target = target or RestoreTarget()
+    image = _read_for_restore(image, lazy)
+    manifest = image.manifest
+    t0 = time.monotonic()
+    verified_by = _verify_for_restore(image, target.verify, progress)
     progress("compatibility", None)
-    marks = {"verify_s": verify_s}  # where the restore's time goes (docs/benchmarks.md)
+    marks = {"verify_s": time.monotonic() - t0}  # where the restore's time goes (docs/benchmarks.md)
     t = time.monotonic()
     expected = target.fingerprint or expected_fingerprint(manifest)
     mismatches = compatibility(manifest.fingerprint, expected)
@@ -345,20 +380,7 @@ def restore(image: Image | Path, target: RestoreTarget | None = None, progress: 
     marks["netns_s"] = time.monotonic() - t
     progress("criu restore", None)
     t = time.monotonic()
-    try:
-        if lazy is not None:
-            lazy.start(image.path, cdir)
-            marks["lazy_start_s"] = time.monotonic() - t
-        t1 = time.monotonic()
-        pid = criu.restore(image.path, link.path, cdir / "init.pid", log_dir=cdir, extra_args=restore_args,
-                           lazy=lazy is not None)
-    except BaseException:
-        if lazy is not None:
-            lazy.abort()
-        netns.delete(link.name)
-        shutil.rmtree(cdir, ignore_errors=True)
-        raise
-    marks["criu_s"] = time.monotonic() - t1
+    pid = _criu_restore(image, link, cdir, restore_args, lazy, marks)
     cell = Cell(id=cell_id, netns=link.name, ip=link.cell_ip, port=manifest.cell.port, init_pid=pid,
                 engine=manifest.cell.engine, launch=manifest.cell.launch, origin=f"restore:{image.path}",
                 devices=target_gpus.to_dict() if target_gpus.gpus else {})
