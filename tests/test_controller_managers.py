@@ -295,3 +295,15 @@ def test_reconcile_once_runs_every_step_in_order_and_catches_a_failing_one(tmp_p
     assert stats["update_cells"] == {"ok": False, "s": stats["update_cells"]["s"], "error": "agent down"}
     assert all(stats[n]["ok"] for n in names if n != "update_cells")
     assert isinstance(c.claims.lock, type(threading.RLock()))
+
+
+def test_the_config_is_validated_and_still_read_by_name(tmp_path: Path) -> None:
+    from relocator.controller.config import ControllerConfig
+
+    c = ControllerConfig.of({"base_dir": str(tmp_path), "transfer": "stream", "transient_images": "disk",
+                             "credentials": {"n1": {"key": "k"}}, "later": 1})
+    assert c.base_dir == tmp_path and c.transfer == "stream" and c.make_room_max_moves == 4
+    assert (c.get("transient_images"), c.get("later"), c.get("absent", 5)) == ("disk", 1, 5)
+    assert c.credentials_of("n1") == {"key": "k"} and c.credentials_of("n2") is None
+    with pytest.raises(ValueError, match="transfer"):
+        ControllerConfig.of({"base_dir": str(tmp_path), "transfer": "rsync"})

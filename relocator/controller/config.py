@@ -9,9 +9,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from relocator.controller.model import TransferMode
+from relocator.controller.scheduling import DEFAULT_MAX_MOVES
 from relocator.planner.policies import PlacementPolicy
-
-DEFAULT_MAX_MOVES = 4  # scheduling.DEFAULT_MAX_MOVES (kept equal by a test)
 
 
 class ControllerConfig(BaseModel):
