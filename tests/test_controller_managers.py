@@ -295,6 +295,15 @@ def test_reconcile_once_runs_every_step_in_order_and_catches_a_failing_one(tmp_p
     assert stats["update_cells"] == {"ok": False, "s": stats["update_cells"]["s"], "error": "agent down"}
     assert all(stats[n]["ok"] for n in names if n != "update_cells")
     assert isinstance(c.claims.lock, type(threading.RLock()))
+    c.store.save_worker(worker())
+    st = c.status()  # the same shape as before the split
+    assert [(w["id"], w["state"], w["cell"], w["preemptible"]) for w in st["workers"]] == [("w1", "running", "w1-c",
+                                                                                         False)]
+    assert set(st["workers"][0]) == {
+        "id", "model", "node", "state", "endpoint", "gpus", "gpu_ids", "cell", "reservation", "replacements",
+        "last_image", "priority", "time_limit_s", "deadline", "image", "suspend_reason", "suspended_at", "suspensions",
+        "preemptible", "suspend_failures", "suspend_retry_at", "suspend_error", "error"}
+    assert set(st) >= {"nodes", "workers", "pending", "cordoned", "relocations", "controller", "metrics", "events"}
 
 
 def test_the_config_is_validated_and_still_read_by_name(tmp_path: Path) -> None:

@@ -59,6 +59,7 @@ class Controller:
         c = cls.__new__(cls)
         c.started_at, c.init_s, c.metrics, c.recovering, c.agents = time.time(), 0.0, None, [], {}
         c._setup(ControllerConfig.of(config), store)
+        c.event_log = EventLog(c.store)  # status reads its cursor; events go to `emit`
         c._wire(backend, emit, list_nodes=lambda known, named: dict(nodes), placement_groups=lambda: [])
         return c
 
