@@ -105,6 +105,8 @@ class PageReceiver:
         self.port = 0
         self.hasher: TailHasher | None = None
         self.started_at = 0.0
+        self.unix = None  # locallink.UnixOffer: the same-host route, when the dump takes it
+        self.link = "tls"
 
     def start(self, hash_on_arrival: bool = True) -> "PageReceiver":
         from relocator.snapshot import criu
@@ -113,10 +115,27 @@ class PageReceiver:
             raise FileExistsError(f"{self.image_dir} is not empty")
         self.proc, self.port = criu.page_server(self.image_dir, self.address)
         self.started_at = time.monotonic()
+        from relocator.agent import locallink
+
+        if locallink.enabled():  # a dump on this host takes it and the TLS page server goes
+            self.unix = locallink.UnixOffer(self._take_unix)
+            self.unix.start()
         if hash_on_arrival:
             self.hasher = TailHasher(self.image_dir)
             self.hasher.start()
         return self
+
+    def offer(self) -> dict:
+        """What the source's dump needs: the TLS page server's address and port, and the unix
+        socket a dump of this host uses instead (relocator.agent.locallink)."""
+        return {"address": self.address, "port": self.port, **(self.unix.offer() if self.unix else {})}
+
+    def _take_unix(self, conn) -> None:
+        from relocator.snapshot import criu
+
+        tls, self.proc = self.proc, criu.page_server_on(self.image_dir, conn.fileno())
+        self.link = "unix"
+        tls.kill()
 
     def finish(self, timeout: float = 120.0) -> dict:
         """After the dump: the page server's exit (0: every page flushed) and the page files'
@@ -126,6 +145,8 @@ class PageReceiver:
         from relocator.snapshot.images import check_pages
 
         assert self.proc is not None
+        if self.unix is not None:
+            self.unix.close()  # the dump has ended: nobody else may take the route
         try:
             rc = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -142,9 +163,12 @@ class PageReceiver:
         if problems:
             raise TransferError("streamed memory incomplete: " + "; ".join(problems[:3]))
         return {"files": files, "page_bytes": sum(f.size for f in files.values()),
-                "page_server_s": round(t - self.started_at, 3), "hash_tail_s": round(hash_tail_s, 3)}
+                "page_server_s": round(t - self.started_at, 3), "hash_tail_s": round(hash_tail_s, 3),
+                "link": self.link}
 
     def abort(self) -> None:
+        if self.unix is not None:
+            self.unix.close()
         if self.proc is not None:
             self.proc.kill()
         if self.hasher is not None:

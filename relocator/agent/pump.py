@@ -95,6 +95,7 @@ class Pump:
         self.a = a
         self.cell_dir = Path(a.cell_dir)
         self.refused = 0  # connections that failed the TLS handshake
+        self.link = "tls"
 
     def state(self, **fields) -> None:
         write_state(self.cell_dir, STATE_FILE, pid=os.getpid(), **fields)
@@ -114,6 +115,37 @@ class Pump:
             self.state(state="listening", port=port, refused=self.refused, last_refused=f"{peer[0]}: {exc}"[:300])
             return None
         conn.settimeout(None)
+        return conn
+
+    def accept(self, lst: socket.socket, tls: ssl.SSLContext | None, port: int) -> socket.socket | None:
+        """The keeper's connection: over TCP with TLS, or from a keeper of this host on the unix
+        socket `--unix` (kernel-authenticated, relocator.agent.locallink: no crypto); None, with
+        the state saying why, when none came while the lazy dump lasted."""
+        from relocator.agent import locallink
+
+        a = self.a
+        unix = vars(a).get("unix", "")  # callers that build the arguments themselves may leave it out
+        ulst = locallink.listen(unix) if unix else None
+        deadline = time.monotonic() + a.accept_timeout  # stdlib only (python -S): not relocator.waits
+        conn = None
+        try:
+            while conn is None:
+                if not alive(a.dump_pid):
+                    self.state(state="ended", why="the lazy dump ended before a keeper connected", port=port)
+                    return None
+                if time.monotonic() > deadline:
+                    self.state(state="ended", why=f"no keeper connected in {a.accept_timeout:g}s", port=port)
+                    return None
+                r, _, _ = select.select([lst, *([ulst] if ulst else [])], [], [], 0.2)
+                if ulst is not None and ulst in r:
+                    conn = locallink.admit(ulst)
+                    self.link = "unix" if conn else self.link
+                elif r:
+                    conn = self.admit(lst, tls, port)
+        finally:
+            lst.close()
+            if ulst is not None:
+                locallink.unlisten(ulst, unix)
         return conn
 
     def run(self) -> int:
@@ -137,21 +169,11 @@ class Pump:
         if a.status_fd >= 0:
             os.write(a.status_fd, b"\0")
             os.close(a.status_fd)
-        deadline = time.monotonic() + a.accept_timeout  # stdlib only (python -S): not relocator.waits
-        conn = None
-        while conn is None:
-            if not alive(a.dump_pid):
-                self.state(state="ended", why="the lazy dump ended before a keeper connected", port=port)
-                return 0
-            if time.monotonic() > deadline:
-                self.state(state="ended", why=f"no keeper connected in {a.accept_timeout:g}s", port=port)
-                return 0
-            r, _, _ = select.select([lst], [], [], 0.2)
-            if r:
-                conn = self.admit(lst, tls, port)
-        lst.close()
+        conn = self.accept(lst, tls, port)
+        if conn is None:
+            return 0
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-        self.state(state="sending", port=port, bytes=total, frames=len(frames))
+        self.state(state="sending", port=port, bytes=total, frames=len(frames), link=self.link)
         sent = skipped = 0
         buf = bytearray(CHUNK)
         fds: dict[int, int] = {}
@@ -209,15 +231,18 @@ def stop(cell_dir: Path) -> None:
             pass
 
 
-def start(cell_dir: Path, image_dir: Path, init_pid: int, dump_pid: int, address: str) -> tuple[object, int]:
-    """Start the pump for a lazy dump (`dump_pid`) of the cell; returns (process, port)."""
+def start(cell_dir: Path, image_dir: Path, init_pid: int, dump_pid: int, address: str,
+          unix: str = "") -> tuple[object, int]:
+    """Start the pump for a lazy dump (`dump_pid`) of the cell; returns (process, port).
+    `unix`: a socket path where a keeper of this host connects too (relocator.agent.locallink)."""
     from relocator.credentials import tls_files
     from relocator.snapshot import criu
 
     tls_files()  # this node's certificates, or a CredentialsError naming what is missing
     repo = str(Path(__file__).resolve().parents[2])
     argv = [sys.executable, "-S", "-m", "relocator.agent.pump", "--cell-dir", str(cell_dir), "--image-dir",
-            str(image_dir), "--init-pid", str(init_pid), "--dump-pid", str(dump_pid), "--address", address]
+            str(image_dir), "--init-pid", str(init_pid), "--dump-pid", str(dump_pid), "--address", address,
+            "--unix", unix]
     proc = criu.CriuProcess(argv, Path(cell_dir) / "pump.log", "post-copy pump", cwd=repo,
                             env={**os.environ, "PYTHONPATH": repo})
     proc.start(timeout=30)
@@ -232,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--init-pid", type=int, required=True)
     p.add_argument("--dump-pid", type=int, required=True)
     p.add_argument("--address", required=True)
+    p.add_argument("--unix", default="")  # a keeper of this host connects here: no TLS
     p.add_argument("--accept-timeout", type=float, default=120.0)
     p.add_argument("--status-fd", type=int, default=-1)
     args = p.parse_args(argv)

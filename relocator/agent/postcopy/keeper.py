@@ -125,12 +125,28 @@ class Keeper:
         if not a.pump_port:
             return None
         try:  # the push channel is an accelerator only
-            pump = connect(a.source, a.pump_port, a.connect_timeout, tls, rcvbuf=4 << 20)
+            pump = self.pump_on_this_host() or connect(a.source, a.pump_port, a.connect_timeout, tls, rcvbuf=4 << 20)
         except OSError as exc:
             self.state(pump_error=f"cannot reach the source's pump: {exc}")
             return None
         pump.settimeout(None)
         return pump
+
+    def pump_on_this_host(self) -> socket.socket | None:
+        """The pump's unix socket when the source is on this host (`--pump-unix`, given by the
+        agent only then): the kernel authenticates both ends, no TLS (relocator.agent.locallink)."""
+        if not self.a.pump_unix:
+            return None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.a.connect_timeout)
+            sock.connect(self.a.pump_unix)
+        except OSError:
+            sock.close()
+            return None  # then over TCP and TLS
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        self.state(pump_link="unix")
+        return sock
 
     def start_daemon(self, daemon_end: socket.socket) -> int:
         """Start `criu lazy-pages` on its end of the socket pair and tell the agent we are
@@ -383,6 +399,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefetch-depth", type=int, default=1)
     p.add_argument("--cache-bytes", type=int, default=1 << 30)
     p.add_argument("--pump-port", type=int, default=0)  # the source's push channel (relocator.agent.pump)
+    p.add_argument("--pump-unix", default="")  # its unix socket, when the source is on this host
     p.add_argument("--prefill-bytes", type=int, default=0)  # pushed bytes taken before the tree starts ...
     p.add_argument("--prefill-s", type=float, default=1.5)  # ... at most this long
     p.add_argument("--status-fd", type=int, default=-1)

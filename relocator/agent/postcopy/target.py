@@ -18,8 +18,8 @@ class TargetSession:
     """What a target agent starts for one post-copy restore (snapshot.restore's `lazy` hook)."""
 
     def __init__(self, source: str, port: int, stall_s: float = 3.0, throttle_bps: float = 0.0,
-                 ready_timeout: float = 60.0, pump_port: int = 0) -> None:
-        self.source, self.port, self.pump_port = source, port, pump_port
+                 ready_timeout: float = 60.0, pump_port: int = 0, pump_unix: str = "") -> None:
+        self.source, self.port, self.pump_port, self.pump_unix = source, port, pump_port, pump_unix
         self.stall_s, self.throttle_bps, self.ready_timeout = stall_s, throttle_bps, ready_timeout
         self.proc = None
 
@@ -33,6 +33,7 @@ class TargetSession:
                 # the health check and the blackout on a 2-core node (docs/benchmarks.md, issue 14);
                 # RELOCATOR_POSTCOPY_PREFETCH=1 turns it on
                 "--prefetch", os.environ.get("RELOCATOR_POSTCOPY_PREFETCH", "0"), "--pump-port", str(self.pump_port),
+                "--pump-unix", self.pump_unix,
                 # pre-paging: the first MiB of the push before the tree starts (0: none)
                 "--prefill-bytes", str(prefill_mb() << 20)]
 

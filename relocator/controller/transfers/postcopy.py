@@ -86,14 +86,17 @@ class PostcopyTransfer(TransferStrategy):
         info = ctx.backend.dump_lazy(rel.src, rel.src_cell, rel.image_dir)
         rel.image_bytes = int(info.get("bytes", 0)) + int(info.get("lazy_bytes", 0))
         rel.postcopy = {"address": info["address"], "port": info["port"],
-                        "pump_port": int(info.get("pump_port") or 0), "lazy_bytes": int(info.get("lazy_bytes", 0))}
+                        "pump_port": int(info.get("pump_port") or 0), "lazy_bytes": int(info.get("lazy_bytes", 0)),
+                        # a keeper on the source's host takes the pump's unix socket (no TLS)
+                        "pump_unix": info.get("pump_unix", ""), "host": info.get("host", "")}
         return info
 
     # TRANSFER: every image but the memory left in the source (the default transfer)
 
     def restore(self, ctx: Context, rel: "Relocation") -> dict:
         source = {"address": rel.postcopy["address"], "port": rel.postcopy["port"],
-                  "pump_port": rel.postcopy.get("pump_port", 0), **dict(rel.faults.get("postcopy") or {})}
+                  "pump_port": rel.postcopy.get("pump_port", 0), "pump_unix": rel.postcopy.get("pump_unix", ""),
+                  "host": rel.postcopy.get("host", ""), **dict(rel.faults.get("postcopy") or {})}
         return ctx.backend.restore(rel.dst, rel.dst_image_dir, rel.dst_cell, verified=True,
                                    gpu_ids=rel.dst_gpu_ids or None, page_source=source)
 
