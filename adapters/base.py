@@ -14,6 +14,7 @@ import abc
 import hashlib
 import importlib
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -82,16 +83,38 @@ class EngineAdapter(abc.ABC):
         CRIU-friendly (the cell gives it TMPDIR=/run, a private /dev/shm, loopback)."""
 
     @abc.abstractmethod
+    def engine_version(self) -> str:
+        """The installed engine's version ("unknown" if it cannot be read)."""
+
+    def compute_dtype(self, spec: LaunchSpec) -> str:
+        """The dtype the engine computes in for `spec` (a fingerprint field)."""
+        return spec.dtype
+
     def fingerprint(self, spec: LaunchSpec) -> EngineFingerprint:
         """The engine part of a snapshot fingerprint for a worker launched from `spec`."""
+        return EngineFingerprint(
+            engine=self.name,
+            engine_version=self.engine_version(),
+            model_id=spec.served_model_name,
+            weight_sha256=weight_hash(str(spec.model_dir)),
+            dtype=self.compute_dtype(spec),
+            max_model_len=spec.max_model_len,
+            tensor_parallel_size=spec.tensor_parallel_size,
+        )
 
-    @abc.abstractmethod
     async def is_ready(self, base_url: str, timeout: float = 2.0) -> bool:
-        """True once the server answers health checks and lists its model."""
+        """True once the server answers health checks and lists its model (every engine here
+        serves the OpenAI API)."""
+        from adapters import openai_server  # an HTTP client: not for the router's light imports
 
-    @abc.abstractmethod
+        return await openai_server.is_ready(base_url, timeout)
+
     def parse_metrics(self, text: str) -> dict[str, float]:
-        """Engine metrics from a Prometheus text page, as name -> value (summed over labels)."""
+        """Engine metrics from a Prometheus text page, as name -> value (summed over labels):
+        the families named "<engine name>:*"."""
+        from adapters import openai_server
+
+        return openai_server.parse_metrics(text, f"{self.name}:")
 
     def missing(self) -> str | None:
         """Why this engine cannot run on this machine (None: it can)."""
@@ -142,6 +165,12 @@ def weights_sha256(model_dir: Path) -> str:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)
     return h.hexdigest()
+
+
+@lru_cache(maxsize=16)
+def weight_hash(model_dir: str) -> str:
+    """`weights_sha256`, once per model folder and process (fingerprints ask it often)."""
+    return weights_sha256(Path(model_dir))
 
 
 #: the engines a worker can run, as a typed choice (`relocator cell launch --engine`)

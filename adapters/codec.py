@@ -10,6 +10,7 @@ everything else runs only when a stream is continued. No I/O here, no aiohttp.""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -44,24 +45,37 @@ class Delta:
 
 class ContinuationCodec:
     """What the router needs from one engine to continue a stream. Subclass per engine
-    (adapters/NAME/codec.py, class `Codec`); this base continues nothing."""
+    (adapters/NAME/codec.py, class `Codec`); this base continues nothing. Its token-id
+    methods are the OpenAI servers' `return_token_ids` framing (vLLM's, which SGLang follows):
+    used only once `unsupported_reason` allows a stream."""
 
     name = "base"
+    #: where the events carry ids: `"prompt_token_ids":[...]` and `"token_ids":[...]`
+    _IDS = re.compile(rb'"(prompt_token_ids|token_ids)":\[([0-9,\s]*)\]')
 
     def unsupported_reason(self, kind: Kind, body: dict) -> str | None:
         """Why a stream of this request could not be continued (None: it can)."""
         return "engine does not support continuation"
 
     def client_wants_token_ids(self, body: dict) -> bool:
-        return False
+        """The client asked for the ids itself (they are not stripped from its stream)."""
+        return body.get("return_token_ids") is True
 
     def ask_for_token_ids(self, raw: bytes) -> bytes:
         """The raw request body changed so that the stream carries token ids."""
-        raise NotImplementedError
+        end = raw.rstrip().rfind(b"}")
+        return raw[:end] + b',"return_token_ids":true}'
 
     def scan(self, events: bytes) -> tuple[bytes | None, list[bytes]]:
         """(prompt ids, [output id segments]) found in complete SSE events, unparsed."""
-        raise NotImplementedError
+        prompt = None
+        out: list[bytes] = []
+        for m in self._IDS.finditer(events):
+            if m.group(1) == b"token_ids":
+                out.append(m.group(2))
+            else:
+                prompt = m.group(2)
+        return prompt, out
 
     def strip(self, events: bytes) -> bytes:
         """The events as the client would have got them without asking for token ids."""

@@ -28,10 +28,10 @@ ENGINE = "vllm"
 
 def _fresh_caches() -> None:
     """As in another agent process: nothing fingerprinted yet."""
-    import adapters.vllm.adapter as vllm_adapter
+    import adapters.base as base_adapters
 
     S._engine_fingerprint.cache_clear()
-    vllm_adapter._weight_hash.cache_clear()
+    base_adapters.weight_hash.cache_clear()
 
 
 @pytest.fixture

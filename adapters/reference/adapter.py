@@ -5,16 +5,9 @@ from __future__ import annotations
 
 import sys
 from functools import lru_cache
-from pathlib import Path
 
-from adapters import openai_server
-from adapters.base import EngineAdapter, EngineFingerprint, LaunchSpec, weights_sha256
+from adapters.base import EngineAdapter, LaunchSpec
 from adapters.reference import __version__
-
-
-@lru_cache(maxsize=16)
-def _weight_hash(model_dir: str) -> str:
-    return weights_sha256(Path(model_dir))
 
 
 @lru_cache(maxsize=1)
@@ -52,19 +45,8 @@ class Adapter(EngineAdapter):
         }
         return argv + list(spec.extra_args), env
 
-    def fingerprint(self, spec: LaunchSpec) -> EngineFingerprint:
-        return EngineFingerprint(
-            engine=self.name,
-            engine_version=f"{__version__}+torch{torch_version()}",
-            model_id=spec.served_model_name,
-            weight_sha256=_weight_hash(str(spec.model_dir)),
-            dtype="float32",  # bf16 weights, computed in float32
-            max_model_len=spec.max_model_len,
-            tensor_parallel_size=spec.tensor_parallel_size,
-        )
+    def engine_version(self) -> str:
+        return f"{__version__}+torch{torch_version()}"
 
-    async def is_ready(self, base_url: str, timeout: float = 2.0) -> bool:
-        return await openai_server.is_ready(base_url, timeout)
-
-    def parse_metrics(self, text: str) -> dict[str, float]:
-        return openai_server.parse_metrics(text, "reference:")
+    def compute_dtype(self, spec: LaunchSpec) -> str:
+        return "float32"  # bf16 weights, computed in float32

@@ -14,8 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from adapters import openai_server
-from adapters.base import EngineAdapter, EngineFingerprint, LaunchSpec, weights_sha256
+from adapters.base import EngineAdapter, LaunchSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STUB_DIR = Path(__file__).resolve().parent / "stub_sgl_kernel"
@@ -50,11 +49,6 @@ def sglang_version() -> str:
         if m:
             return m.group(1)
     return "unknown"
-
-
-@lru_cache(maxsize=16)
-def _weight_hash(model_dir: str) -> str:
-    return weights_sha256(Path(model_dir))
 
 
 class Adapter(EngineAdapter):
@@ -108,22 +102,8 @@ class Adapter(EngineAdapter):
         argv += spec.extra_args
         return argv, env
 
-    def fingerprint(self, spec: LaunchSpec) -> EngineFingerprint:
-        return EngineFingerprint(
-            engine=self.name,
-            engine_version=sglang_version(),
-            model_id=spec.served_model_name,
-            weight_sha256=_weight_hash(str(spec.model_dir)),
-            dtype=spec.dtype,
-            max_model_len=spec.max_model_len,
-            tensor_parallel_size=spec.tensor_parallel_size,
-        )
-
-    async def is_ready(self, base_url: str, timeout: float = 2.0) -> bool:
-        return await openai_server.is_ready(base_url, timeout)
-
-    def parse_metrics(self, text: str) -> dict[str, float]:
-        return openai_server.parse_metrics(text, "sglang:")
+    def engine_version(self) -> str:
+        return sglang_version()
 
     def continuation_request(self, body: dict[str, Any], prompt_ids: list[int],
                              sent_ids: list[int]) -> dict[str, Any]:

@@ -27,7 +27,6 @@ from adapters.codec import ContinuationCodec, Delta, Kind, completions_continuat
 
 class Codec(ContinuationCodec):
     name = "sglang"
-    _IDS = re.compile(rb'"(prompt_token_ids|token_ids)":\[([0-9,\s]*)\]')
     _STRIP = re.compile(rb',"(?:prompt_token_ids|token_ids)":\[[0-9,\s]*\]')
 
     def unsupported_reason(self, kind: Kind, body: dict) -> str | None:
@@ -49,23 +48,6 @@ class Codec(ContinuationCodec):
             if body.get(k):
                 return f"structured output ({k})"
         return None
-
-    def client_wants_token_ids(self, body: dict) -> bool:
-        return body.get("return_token_ids") is True
-
-    def ask_for_token_ids(self, raw: bytes) -> bytes:
-        end = raw.rstrip().rfind(b"}")
-        return raw[:end] + b',"return_token_ids":true}'
-
-    def scan(self, events: bytes) -> tuple[bytes | None, list[bytes]]:
-        prompt = None
-        out: list[bytes] = []
-        for m in self._IDS.finditer(events):
-            if m.group(1) == b"token_ids":
-                out.append(m.group(2))
-            else:
-                prompt = m.group(2)
-        return prompt, out
 
     def strip(self, events: bytes) -> bytes:
         return self._STRIP.sub(b"", events)

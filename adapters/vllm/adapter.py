@@ -8,8 +8,7 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-from adapters import openai_server
-from adapters.base import EngineAdapter, EngineFingerprint, LaunchSpec, weights_sha256
+from adapters.base import EngineAdapter, LaunchSpec
 
 
 @lru_cache(maxsize=1)
@@ -22,11 +21,6 @@ def vllm_version() -> str:
         except PackageNotFoundError:
             continue
     return "unknown"
-
-
-@lru_cache(maxsize=16)
-def _weight_hash(model_dir: str) -> str:
-    return weights_sha256(Path(model_dir))
 
 
 class Adapter(EngineAdapter):
@@ -85,19 +79,5 @@ class Adapter(EngineAdapter):
         argv += spec.extra_args
         return argv, env
 
-    def fingerprint(self, spec: LaunchSpec) -> EngineFingerprint:
-        return EngineFingerprint(
-            engine=self.name,
-            engine_version=vllm_version(),
-            model_id=spec.served_model_name,
-            weight_sha256=_weight_hash(str(spec.model_dir)),
-            dtype=spec.dtype,
-            max_model_len=spec.max_model_len,
-            tensor_parallel_size=spec.tensor_parallel_size,
-        )
-
-    async def is_ready(self, base_url: str, timeout: float = 2.0) -> bool:
-        return await openai_server.is_ready(base_url, timeout)
-
-    def parse_metrics(self, text: str) -> dict[str, float]:
-        return openai_server.parse_metrics(text, "vllm:")
+    def engine_version(self) -> str:
+        return vllm_version()
