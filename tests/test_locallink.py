@@ -141,3 +141,14 @@ def test_the_pump_sends_a_keeper_of_this_host_the_memory_on_its_unix_socket(tmp_
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_controller_hands_the_pumps_unix_socket_to_the_target_only_when_offered() -> None:
+    from relocator.controller.transfers.postcopy import _local_route
+
+    assert _local_route({"pump_unix": "/run/relocator/links/a.sock", "host": "b|n|m", "port": 1}) == {
+        "pump_unix": "/run/relocator/links/a.sock", "host": "b|n|m"}
+    assert _local_route({"pump_unix": "", "host": "b|n|m"}) == {}  # no pump: nothing to take
+    # and the target's agent takes it only from its own host
+    assert locallink.same_host({"pump_unix": "/x.sock", "host": locallink.identity()}, "pump_unix") == "/x.sock"
+    assert locallink.same_host({"pump_unix": "/x.sock", "host": "elsewhere"}, "pump_unix") == ""

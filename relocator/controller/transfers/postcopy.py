@@ -61,6 +61,12 @@ class PostcopyCalls:
             return {"done": True, "lost": True}
 
 
+def _local_route(info: dict) -> dict:
+    """The pump's unix socket and the source's host identity, when the lazy dump offers them: a
+    keeper on the source's host takes that socket instead of TLS (relocator.agent.locallink)."""
+    return {k: info[k] for k in ("pump_unix", "host")} if info.get("pump_unix") else {}
+
+
 class PostcopyTransfer(TransferStrategy):
     mode = TransferMode.POSTCOPY
     verified_on_arrival = True
@@ -87,16 +93,15 @@ class PostcopyTransfer(TransferStrategy):
         rel.image_bytes = int(info.get("bytes", 0)) + int(info.get("lazy_bytes", 0))
         rel.postcopy = {"address": info["address"], "port": info["port"],
                         "pump_port": int(info.get("pump_port") or 0), "lazy_bytes": int(info.get("lazy_bytes", 0)),
-                        # a keeper on the source's host takes the pump's unix socket (no TLS)
-                        "pump_unix": info.get("pump_unix", ""), "host": info.get("host", "")}
+                        **_local_route(info)}
         return info
 
     # TRANSFER: every image but the memory left in the source (the default transfer)
 
     def restore(self, ctx: Context, rel: "Relocation") -> dict:
         source = {"address": rel.postcopy["address"], "port": rel.postcopy["port"],
-                  "pump_port": rel.postcopy.get("pump_port", 0), "pump_unix": rel.postcopy.get("pump_unix", ""),
-                  "host": rel.postcopy.get("host", ""), **dict(rel.faults.get("postcopy") or {})}
+                  "pump_port": rel.postcopy.get("pump_port", 0), **_local_route(rel.postcopy),
+                  **dict(rel.faults.get("postcopy") or {})}
         return ctx.backend.restore(rel.dst, rel.dst_image_dir, rel.dst_cell, verified=True,
                                    gpu_ids=rel.dst_gpu_ids or None, page_source=source)
 
