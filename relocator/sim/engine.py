@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from relocator.choices import Choice
-from relocator.planner.cluster import MILLI, Cluster, NodeSpec
+from relocator.planner.cluster import MILLI, Cluster, NodeSpec, Plan, Workload
 from relocator.planner.planners import apply_plan, defragment, plan_gain_milli, usable_gpu_milli
 from relocator.planner.policies import FGDPolicy, TypicalPods, canonical_policy_name, cluster_fragmentation_milli, get_policy
 from relocator.sim.trace import TracePod
@@ -170,51 +170,67 @@ def simulate(
             used += w.total_gpu_milli
         elif relocate and (max_moves is None or moves < max_moves):
             budget = moves_per_pod if max_moves is None else min(moves_per_pod, max_moves - moves)
-            key = (w.cpu_milli, w.memory_mib, w.num_gpu, w.gpu_milli, w.gpu_model, budget)
-            if min_gain_milli > 0 and budget > 0 and w.total_gpu_milli < min_gain_milli * 1:
-                # a plan is worth the pod plus GPU share it unlocks on its target node: skip the
-                # search when no node has enough idle GPU share held back by CPU or memory
-                locked = _locked_gpu_milli(cluster, cpu_per_gpu, mem_per_gpu)
-                if w.total_gpu_milli + locked < min_gain_milli:
-                    budget = 0
-            if budget <= 0 or hopeless.get(key) == cluster._clock:
-                # the same shape found no plan and nothing has changed since
-                failed += 1
+            plan = _seat_by_moves(cluster, w, budget, pol, rng, hopeless, min_gain_milli, cpu_per_gpu, mem_per_gpu)
+            if plan is not None:
+                used += w.total_gpu_milli
+                moves += plan.num_moves
+                moved_milli += plan.moved_gpu_milli
             else:
-                plan = defragment(cluster, w, max_moves=budget, policy=pol, rng=rng)
-                if (
-                    plan is not None
-                    and plan.num_moves
-                    and min_gain_milli > 0
-                    and plan_gain_milli(cluster, plan, w, cpu_per_gpu, mem_per_gpu) < min_gain_milli * plan.num_moves
-                ):
-                    plan = None  # not worth its moves
-                if plan is not None and plan.placement is not None:
-                    apply_plan(cluster, plan, w)
-                    used += w.total_gpu_milli
-                    moves += plan.num_moves
-                    moved_milli += plan.moved_gpu_milli
-                else:
-                    failed += 1
-                    hopeless[key] = cluster._clock
+                failed += 1
         else:
             failed += 1
         arr[i] = 100.0 * arrived / cap
         alloc[i] = 100.0 * used / cap
         if progress is not None and (i % step == 0 or i == len(seq) - 1):
             progress(i + 1, len(seq))
+    return _sim_result(name, relocate, seed, cluster, typical, arr, alloc, failed, moves, moved_milli,
+                       time.perf_counter() - t0)
+
+
+def _seat_by_moves(cluster: Cluster, w: Workload, budget: int, pol: Any, rng: np.random.Generator,
+                   hopeless: dict[tuple, int], min_gain_milli: int, cpu_per_gpu: float,
+                   mem_per_gpu: float) -> Plan | None:
+    """Seat `w` with at most `budget` moves (the plan applied to `cluster`), or None: no plan,
+    or none worth its moves. `hopeless` remembers the shapes that found none, by cluster clock."""
+    key = (w.cpu_milli, w.memory_mib, w.num_gpu, w.gpu_milli, w.gpu_model, budget)
+    if min_gain_milli > 0 and budget > 0 and w.total_gpu_milli < min_gain_milli * 1:
+        # a plan is worth the pod plus GPU share it unlocks on its target node: skip the
+        # search when no node has enough idle GPU share held back by CPU or memory
+        locked = _locked_gpu_milli(cluster, cpu_per_gpu, mem_per_gpu)
+        if w.total_gpu_milli + locked < min_gain_milli:
+            budget = 0
+    if budget <= 0 or hopeless.get(key) == cluster._clock:
+        return None  # the same shape found no plan and nothing has changed since
+    plan = defragment(cluster, w, max_moves=budget, policy=pol, rng=rng)
+    if (
+        plan is not None
+        and plan.num_moves
+        and min_gain_milli > 0
+        and plan_gain_milli(cluster, plan, w, cpu_per_gpu, mem_per_gpu) < min_gain_milli * plan.num_moves
+    ):
+        plan = None  # not worth its moves
+    if plan is not None and plan.placement is not None:
+        apply_plan(cluster, plan, w)
+        return plan
+    hopeless[key] = cluster._clock
+    return None
+
+
+def _sim_result(name: str, relocate: bool, seed: int, cluster: Cluster, typical: TypicalPods, arr: np.ndarray,
+                alloc: np.ndarray, failed: int, moves: int, moved_milli: int, seconds: float) -> SimResult:
+    cap = cluster.gpu_capacity_milli
+    n = len(arr)
     a100 = _at(arr, alloc, 100)
     a130 = _at(arr, alloc, 130)
     cap_gpus = cap / 1000.0
-    frag_typ = typical
-    frag = cluster_fragmentation_milli(cluster, frag_typ) / cap * 100.0
+    frag = cluster_fragmentation_milli(cluster, typical) / cap * 100.0
     # thin the curve to ~400 points for plots and JSON
-    idx = np.unique(np.linspace(0, len(seq) - 1, min(400, len(seq))).astype(int)) if len(seq) else np.zeros(0, int)
+    idx = np.unique(np.linspace(0, n - 1, min(400, n)).astype(int)) if n else np.zeros(0, int)
     return SimResult(
         policy=name,
         relocate=relocate,
         seed=seed,
-        pods=len(seq),
+        pods=n,
         failed=failed,
         capacity_gpus=cap_gpus,
         alloc_pct_at_100=round(a100, 3),
@@ -225,7 +241,7 @@ def simulate(
         lower_bound_unalloc_gpus=round(packing_lower_bound_milli(cluster) / 1000.0, 2),
         moves=moves,
         moved_gpus=round(moved_milli / 1000.0, 3),
-        seconds=round(time.perf_counter() - t0, 3),
+        seconds=round(seconds, 3),
         curve_arrived_pct=[round(float(x), 3) for x in arr[idx]],
         curve_alloc_pct=[round(float(x), 3) for x in alloc[idx]],
     )
