@@ -17,7 +17,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterator
 
-from relocator.agent.transfers import TransferOps
+from relocator.agent.modes import ModeOps
+from relocator.waits import settle
 
 NAMESPACE = "relocator"
 
@@ -26,7 +27,7 @@ def agent_name(node: str) -> str:
     return f"relocator-agent-{node}"
 
 
-class NodeAgent(TransferOps):
+class NodeAgent(ModeOps):  # every transfer mode's ops (relocator.agent.modes)
     def __init__(self, node: str, state_dir: str, images_dir: str,
                  credentials: dict[str, str] | None = None) -> None:
         # One agent per process: the cell registry follows RELOCATOR_STATE_DIR.
@@ -78,13 +79,13 @@ class NodeAgent(TransferOps):
         # a lazy dump that serves its pages (post-copy) holds the tree until the target has them
         # all: it is not an operation to wait for (resume and kill end it)
         serving = LazySource(cell.dir).info() is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not any(argv[0].endswith("criu") and "-t" in argv and pid in argv
-                       and not (serving and "--lazy-pages" in argv)
-                       for _, argv in process_table().values() if argv):
-                return
-            time.sleep(0.1)
+
+        def none_left() -> bool:
+            return not any(argv[0].endswith("criu") and "-t" in argv and pid in argv
+                           and not (serving and "--lazy-pages" in argv)
+                           for _, argv in process_table().values() if argv)
+
+        settle(none_left, timeout, every=0.1)  # then on regardless, as before
 
     @staticmethod
     def _describe(cell) -> dict[str, Any]:
@@ -110,18 +111,18 @@ class NodeAgent(TransferOps):
         return [self._describe(c) for c in list_cells()]
 
     def cell_state(self, cell_id: str) -> str:
-        """running | stopped | absent; waits for any operation in progress on the cell."""
-        from relocator.cell.cell import CellError, load_cell
+        """A CellState: running | stopped | absent; waits for any operation in progress on the cell."""
+        from relocator.cell.cell import CellError, CellState, load_cell
 
         with self._lock(cell_id):
             try:
                 cell = load_cell(cell_id)
             except CellError:
-                return "absent"
+                return CellState.ABSENT
             if not cell.is_alive():
-                return "absent"
+                return CellState.ABSENT
             self._wait_criu(cell)
-            return "stopped" if cell.is_stopped() else "running"
+            return cell.state()
 
     def host_fingerprint(self) -> dict:
         from relocator.snapshot.fingerprint import host_fingerprint
@@ -200,13 +201,8 @@ class NodeAgent(TransferOps):
 
         with self._lock(cell_id):
             t0 = time.monotonic()
-            link = locallink.connect(page_server) if page_server else None  # same host: no crypto
-            ps = link.fileno() if link else (page_server["address"], int(page_server["port"])) if page_server else None
-            try:
+            with locallink.route(page_server) as ps:  # a unix socket on one host, else TLS
                 img = dump(load_cell(cell_id), Path(image_dir), page_server=ps)
-            finally:
-                if link:
-                    link.close()
             return {"image_dir": str(img.path), "bytes": img.bytes, "seconds": round(time.monotonic() - t0, 3),
                     "timings": img.manifest.timings, "pages": img.manifest.pages.value}
 
@@ -237,6 +233,7 @@ class NodeAgent(TransferOps):
         `page_source` ({address, port}, optional stall_s, throttle_bps): post-copy: the image is
         a lazy dump's and its memory comes from that page server while the copy already runs
         (postcopy_status / postcopy_wait follow it)."""
+        from relocator.agent import locallink
         from relocator.agent.postcopy import TargetSession, stop_keeper
         from relocator.snapshot import RestoreTarget, restore
         from relocator.worker import wait_ready
@@ -248,7 +245,8 @@ class NodeAgent(TransferOps):
                 lazy = TargetSession(page_source["address"], int(page_source["port"]),
                                      stall_s=float(page_source.get("stall_s", 3.0)),
                                      throttle_bps=float(page_source.get("throttle_bps", 0.0)),
-                                     pump_port=int(page_source.get("pump_port") or 0))
+                                     pump_port=int(page_source.get("pump_port") or 0),
+                                     pump_unix=locallink.same_host(page_source, "pump_unix"))
             cell = restore(Path(image_dir), RestoreTarget(cell_id=cell_id, verify=verify, gpu_ids=gpu_ids),
                            lazy=lazy)
             restored = time.monotonic() - t0

@@ -1,0 +1,80 @@
+"""The transfer-mode registry and strategies against a fake backend: `auto` resolved in order
+(shared, postcopy, stream) with its reasons, an explicit mode checked, every phase handled."""
+
+from __future__ import annotations
+
+import pytest
+
+from relocator.controller import transfers
+from relocator.controller.errors import PlanError
+from relocator.controller.machine import Machine
+from relocator.controller.model import Phase, WorkerRecord
+from relocator.vocab import TransferMode
+
+OK = {"uffd_noncoop": [True, "supported"], "lazy_dump_pipes": [True, "fs.pipe-max-size is 4194304"]}
+NO_UFFD = {**OK, "uffd_noncoop": [False, "UFFD is not supported"]}
+
+
+class Nodes:
+    """What PLAN asks of the nodes: the image-store probe and each node's transfer_info."""
+
+    def __init__(self, shared: bool, info: dict[str, dict]) -> None:
+        self.shared, self.info, self.asked = shared, info, []
+
+    def shared_storage(self, src: str, dst: str) -> bool:
+        self.asked.append(("shared_storage", src, dst))
+        return self.shared
+
+    def transfer_info(self, node: str) -> dict:
+        self.asked.append(("transfer_info", node))
+        return self.info[node]
+
+
+W = WorkerRecord(id="w1", model="m", node="n1", gpus=1, cell_id="c1")
+
+
+@pytest.mark.parametrize("shared, info, mode, why", [
+    (True, {}, "shared", "n2 sees n1's image store"),
+    (False, {"n1": OK, "n2": OK}, "postcopy", "no shared image store; both kernels support post-copy"),
+    (False, {"n1": OK, "n2": NO_UFFD}, "stream",
+     "no shared image store; no post-copy: target: no non-cooperative userfaultfd (UFFD is not supported)"),
+])
+def test_auto_takes_the_first_possible_mode(shared, info, mode, why) -> None:
+    chosen, reason = transfers.choose(Nodes(shared, info), W, "n2", "auto")
+    assert (chosen.mode, reason) == (mode, why)
+
+
+def test_an_explicit_mode_is_checked_not_resolved() -> None:
+    nodes = Nodes(True, {"n1": OK, "n2": NO_UFFD})
+    assert transfers.choose(nodes, W, "n2", "stream")[0].mode is TransferMode.STREAM
+    assert nodes.asked == []  # shared and stream need nothing of the nodes
+    with pytest.raises(PlanError, match="transfer postcopy is not possible: target: no non-cooperative"):
+        transfers.choose(nodes, W, "n2", "postcopy")
+    assert ("shared_storage", "n1", "n2") not in nodes.asked  # an explicit mode is never `auto`
+
+
+def test_every_mode_but_auto_has_a_strategy_and_auto_has_none() -> None:
+    assert set(transfers.STRATEGIES) == set(TransferMode) - {TransferMode.AUTO}
+    with pytest.raises(Exception, match="no implementation"):
+        transfers.strategy("auto")
+
+
+def test_the_machine_handles_every_phase_in_order(tmp_path) -> None:
+    from relocator.controller.store import Store
+
+    m = Machine(Store(tmp_path / "c.db"), backend=None)  # type: ignore[arg-type]
+    assert list(m.handlers) == list(Phase)
+
+
+def test_only_shared_keeps_the_image_and_streamed_images_skip_the_second_hash() -> None:
+    keeps = {m for m, s in transfers.STRATEGIES.items() if s.keeps_image}
+    verified = {m for m, s in transfers.STRATEGIES.items() if s.verified_on_arrival}
+    assert keeps == {TransferMode.SHARED} and verified == {TransferMode.STREAM, TransferMode.POSTCOPY}
+
+
+def test_the_ray_backend_has_every_modes_agent_calls() -> None:
+    from relocator.controller.backend import RayBackend
+
+    for name in ("shared_storage", "open_page_server", "transfer_info", "dump_lazy", "postcopy_wait",
+                 "lazy_dump_wait", "postcopy_status"):
+        assert callable(getattr(RayBackend, name, None)), name
