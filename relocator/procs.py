@@ -11,6 +11,7 @@ its own few stdlib readers: see relocator/agent/postcopy_keeper.py.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import psutil
@@ -200,3 +201,78 @@ def cpuinfo(field: str) -> str | None:
     except OSError:
         pass
     return None
+
+
+def root(pid: int) -> Path:
+    """The root directory `pid` sees (a cell's, from the host): /proc/<pid>/root."""
+    return Path(f"/proc/{pid}/root")
+
+
+def ns_inode(kind: str, pid: int | str = "self") -> int | None:
+    """The inode of `pid`'s `kind` namespace (what CRIU's --external net[...] names); None: gone."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/{kind}").st_ino
+    except OSError:
+        return None
+
+
+def _unescape(field: str) -> str:
+    """A mounts field with its octal escapes (\\040 for a space, ...) undone."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mountinfo() -> str:
+    """/proc/self/mountinfo (mount ids, roots, options, one mount a line); '' if unreadable."""
+    try:
+        return Path("/proc/self/mountinfo").read_text()
+    except OSError:
+        return ""
+
+
+def mounts() -> list[tuple[str, str, str]]:
+    """(device, mount point, type) of every mount this process sees, in mount order."""
+    try:
+        lines = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return []
+    return [(_unescape(p[0]), _unescape(p[1]), p[2]) for p in (line.split() for line in lines) if len(p) >= 3]
+
+
+def fs_type(path: str | Path) -> str | None:
+    """The type of the filesystem holding `path` (the longest mount point above it); None: unknown."""
+    target = str(Path(path).resolve())
+    best, kind = "", None
+    for _dev, mnt, typ in mounts():
+        if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+            best, kind = mnt, typ
+    return kind
+
+
+def mem_available() -> int | None:
+    """MemAvailable of /proc/meminfo, in bytes; None: unreadable."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def has_capability(bit: int) -> bool:
+    """This process holds capability `bit` (CapEff of /proc/self/status)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> bit & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def sysctl(name: str) -> str | None:
+    """A kernel setting by its dotted name ('fs.pipe-max-size'), from /proc/sys; None: unreadable."""
+    try:
+        return Path("/proc/sys", *name.split(".")).read_text().strip()
+    except OSError:
+        return None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+from relocator import waits
 
 
 def clean(rep: dict, continued: float | None = None) -> None:
@@ -36,9 +36,5 @@ def workers(ctl) -> dict[str, dict]:
 
 
 def wait_for(pred, timeout: float = 120.0, what: str = "", poll: float = 0.5) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(poll)
-    raise TimeoutError(what)
+    """Until `pred()` holds; a TimeoutError naming `what` after `timeout` s."""
+    waits.until(pred, timeout, every=poll, what=what or "a condition")

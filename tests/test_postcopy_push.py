@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+from relocator import procs, waits
 from relocator.agent import pump
 from relocator.agent.postcopy import PSI, PS_IOV_GET, _Proxy
 
@@ -107,10 +108,7 @@ def test_pump_streams_a_stopped_process_memory(tmp_path: Path, monkeypatch) -> N
     child = subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, text=True)
     try:
         addr = int(child.stdout.readline())
-        deadline = time.monotonic() + 10
-        while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        waits.until(lambda: procs.stopped(child.pid), 10, every=0.02, what="the child's SIGSTOP")
         monkeypatch.setattr(pump, "ns_pids", lambda _init: {5: child.pid})
         monkeypatch.setattr(pump, "lazy_ranges", lambda _d: [(5, addr, 8)])
         args = argparse.Namespace(cell_dir=str(tmp_path), image_dir=str(tmp_path), init_pid=child.pid,
@@ -119,19 +117,14 @@ def test_pump_streams_a_stopped_process_memory(tmp_path: Path, monkeypatch) -> N
         out: dict = {}
         t = threading.Thread(target=lambda: out.update(rc=p.run()), daemon=True)
         t.start()
-        deadline = time.monotonic() + 10
-        while not (pump.read_state(tmp_path) or {}).get("port"):
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        waits.until(lambda: (pump.read_state(tmp_path) or {}).get("port"), 10, every=0.02, what="the pump's port")
         port = pump.read_state(tmp_path)["port"]
         # clients without this cluster's certificate get no byte of memory (issue 26) ...
         for client in (None, _tls_client(None), _tls_client(tmp_path / "other")):
             leaked = _read_all(port, client)
             assert b"A" * 64 not in leaked and not leaked.startswith(pump.FRAME.pack(5, addr, 8 * PAGE)[:16])
-        deadline = time.monotonic() + 10  # counted once the pump has closed the connection
-        while pump.read_state(tmp_path).get("refused") != 3:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        # counted once the pump has closed the connection
+        waits.until(lambda: pump.read_state(tmp_path).get("refused") == 3, 10, every=0.02, what="3 refusals")
         # ... and the pump kept listening for the keeper, which gets it all
         from relocator.credentials import client_context
 

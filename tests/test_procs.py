@@ -102,3 +102,14 @@ def test_chaos_finds_a_stray_engine_by_its_state_dir_and_pid_namespace(tmp_path)
     finally:
         child.kill()
         child.wait()
+
+
+def test_host_facts_from_proc(tmp_path):
+    assert procs.fs_type("/proc") == "proc"
+    assert procs.fs_type(tmp_path / "not" / "there") == procs.fs_type(tmp_path) is not None
+    assert "/proc" in [m for _d, m, _t in procs.mounts()]
+    assert procs.mem_available() > 0
+    assert procs.sysctl("kernel.ostype") == "Linux" and procs.sysctl("no.such.setting") is None
+    assert procs.ns_inode("net") == os.stat("/proc/self/ns/net").st_ino and procs.ns_inode("net", 2 ** 22 + 1) is None
+    assert (procs.root(os.getpid()) / "proc" / "self").exists()
+    assert procs._unescape("/mnt/a\\040b") == "/mnt/a b"

@@ -99,7 +99,7 @@ class Cell:
     @property
     def log_path(self) -> Path:
         """The worker's log, inside the cell's private /run."""
-        return Path(f"/proc/{self.init_pid}/root/run/worker.log")
+        return procs.root(self.init_pid) / "run" / "worker.log"
 
     def log_tail(self, lines: int = 40) -> str:
         return tail(self.log_path, lines)

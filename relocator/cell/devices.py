@@ -49,6 +49,8 @@ import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from relocator import procs
+
 NVIDIA_MAJOR = 195
 SHARED_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
 CAPS_DIR = "nvidia-caps"
@@ -173,10 +175,7 @@ def driver_mounts(mountinfo: str | None = None) -> list[str]:
     """Host mount points that hold the driver's user-space (their path names nvidia), outside
     /dev, /proc, /sys and /run (which a cell replaces)."""
     if mountinfo is None:
-        try:
-            mountinfo = Path("/proc/self/mountinfo").read_text()
-        except OSError:
-            return []
+        mountinfo = procs.mountinfo()
     out = []
     for line in mountinfo.splitlines():
         fields = line.split()
@@ -292,7 +291,7 @@ def retarget(init_pid: int, profile: DeviceProfile) -> None:
     """After `criu restore` of a GPU cell on another host or other GPUs, and before
     `cuda-checkpoint --action restore`: swap the source's nodes and /proc view inside the
     restored cell for the target's (the image carries the source's)."""
-    root = Path(f"/proc/{init_pid}/root")
+    root = procs.root(init_pid)
     write_nodes(profile, root / "dev")
     if profile.proc_files and (root / "proc/driver/nvidia").is_dir():
         write_proc(profile, root / "proc/driver/nvidia")
