@@ -152,3 +152,10 @@ def test_the_controller_hands_the_pumps_unix_socket_to_the_target_only_when_offe
     # and the target's agent takes it only from its own host
     assert locallink.same_host({"pump_unix": "/x.sock", "host": locallink.identity()}, "pump_unix") == "/x.sock"
     assert locallink.same_host({"pump_unix": "/x.sock", "host": "elsewhere"}, "pump_unix") == ""
+
+
+def test_a_state_dir_too_deep_for_a_socket_address_means_tls_only(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("RELOCATOR_STATE_DIR", str(tmp_path / ("d" * 120)))
+    assert locallink.new_path() == ""  # the pump then listens on TCP only
+    with pytest.raises(OSError, match="too deep"):
+        locallink.UnixOffer(lambda _conn: None)  # the page receiver then offers TLS only

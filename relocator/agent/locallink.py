@@ -51,9 +51,14 @@ def peer_uid(sock: socket.socket) -> int:
     return uid
 
 
+MAX_PATH = 100  # sun_path holds 108 bytes
+
+
 def new_path() -> str:
-    """Where a new listening socket goes (links_dir: only root reaches it)."""
-    return str(links_dir() / f"{uuid.uuid4().hex[:16]}.sock")
+    """Where a new listening socket goes (links_dir: only root reaches it); "" where that path
+    would not fit a unix socket's address (a deep state directory): then TLS only."""
+    path = str(links_dir() / f"{uuid.uuid4().hex[:16]}.sock")
+    return path if len(path.encode()) <= MAX_PATH else ""
 
 
 def listen(path: str) -> socket.socket:
@@ -94,8 +99,11 @@ class UnixOffer(threading.Thread):
     def __init__(self, on_peer: Callable[[socket.socket], None]) -> None:
         super().__init__(name="unix-offer", daemon=True)
         self.on_peer = on_peer
-        self.path = Path(new_path())
-        self.sock = listen(str(self.path))
+        path = new_path()
+        if not path:
+            raise OSError(f"{links_dir()} is too deep for a unix socket's address")
+        self.path = Path(path)
+        self.sock = listen(path)
         self.error: BaseException | None = None
         self.refused = 0
 

@@ -118,8 +118,12 @@ class PageReceiver:
         from relocator.agent import locallink
 
         if locallink.enabled():  # a dump on this host takes it and the TLS page server goes
-            self.unix = locallink.UnixOffer(self._take_unix)
-            self.unix.start()
+            try:
+                self.unix = locallink.UnixOffer(self._take_unix)
+            except OSError:  # no room for the socket: TLS only, as between hosts
+                self.unix = None
+            else:
+                self.unix.start()
         if hash_on_arrival:
             self.hasher = TailHasher(self.image_dir)
             self.hasher.start()
