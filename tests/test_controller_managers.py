@@ -33,6 +33,10 @@ class Agents:
     def cell_state(self, node: str, cell: str) -> str:
         return self.state
 
+    @property
+    def agents(self) -> "TypedAgents":  # the backend's typed agent client
+        return TypedAgents(self)
+
     def reserve(self, w: WorkerRecord, node: str, name: str, timeout: float = 15.0) -> list[int]:
         self.calls.append(("reserve", node, name))
         return [0]
@@ -46,6 +50,33 @@ class Agents:
 
     def names(self) -> list[str]:
         return [c[0] for c in self.calls]
+
+
+class TypedAgents:
+    """RayBackend.agents' methods over the fake's recorded `call`."""
+
+    def __init__(self, fake: Agents) -> None:
+        self.fake = fake
+
+    def gpus(self, node: str, timeout: float = 30) -> Any:
+        return self.fake.call(node, "gpus")
+
+    def cells(self, node: str, timeout: float = 60) -> Any:
+        return self.fake.call(node, "cells")
+
+    def kill_all(self, node: str, timeout: float = 120) -> Any:
+        return self.fake.call(node, "kill_all")
+
+    def cell_state(self, node: str, cell_id: str, timeout: float = 600) -> Any:
+        return self.fake.call(node, "cell_state", cell_id)
+
+    def compatible(self, node: str, fingerprint: dict, launch: dict | None = None, engine: str | None = None,
+                   timeout: float = 60) -> Any:
+        return self.fake.call(node, "compatible", fingerprint)
+
+    def launch(self, node: str, cell_id: str, model_dir: str, served_name: str, timeout: float = 600,
+               **kw: Any) -> Any:
+        return self.fake.call(node, "launch", cell_id, model_dir, served_name, **kw)
 
 
 class Events(list):

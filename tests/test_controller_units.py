@@ -157,8 +157,12 @@ class FakeAgents:
             raise self.dump_error
         return {"bytes": 1}
 
-    def cell_state(self, node, cell):
+    def cell_state(self, node, cell, timeout=None):
         return "stopped"
+
+    @property
+    def agents(self) -> "FakeAgents":  # the typed agent client: calls recorded by name here too
+        return self
 
 
 def _fake_controller(tmp_path: Path, nodes: dict[str, tuple[int, int]], workers: list) -> "Controller":

@@ -158,14 +158,6 @@ class RayBackend(*MODE_CALLS):  # type: ignore[misc]  # each transfer mode's age
         info = self.ports.inventory(refresh=fresh).get(node)
         return info is not None and info.alive
 
-    def call(self, node: str, method: str, *args: Any, timeout: float = AGENT_TIMEOUT_S, **kw: Any) -> Any:
-        """Legacy: `method` of `node`'s agent by name, for the controller's callers not yet on the
-        typed `agents` methods (every new call is a typed AgentClient method)."""
-        bound = {"gpus": self.agents.gpus, "cells": self.agents.cells, "kill_all": self.agents.kill_all,
-                 "cell_state": self.agents.cell_state, "compatible": self.agents.compatible,
-                 "launch": self.agents.launch}[method]
-        return bound(node, *args, timeout=timeout, **kw)
-
     def fence(self, node: str, cell_ids: list[str] | None = None) -> dict:
         """Stop a lost node's cells without its agent (see relocator.cell.fence)."""
         from relocator.cell.fence import fence_cells

@@ -302,7 +302,7 @@ class Controller:
         return self.event_log.wait(after, min(float(timeout), 60.0), limit)
 
     def cells(self) -> dict[str, list[dict]]:
-        return {name: self.backend.call(name, "cells", timeout=60) for name, info in self.inventory().items()
+        return {name: self.backend.agents.cells(name, timeout=60) for name, info in self.inventory().items()
                 if info.alive}
 
     def shutdown(self) -> dict:
@@ -312,7 +312,7 @@ class Controller:
         out: dict[str, Any] = {"killed": {}, "freed": []}
         for name, info in self.inventory().items():
             try:
-                out["killed"][name] = (self.backend.call(name, "kill_all", timeout=120) if info.alive
+                out["killed"][name] = (self.backend.agents.kill_all(name, timeout=120) if info.alive
                                        else self.backend.fence(name)["killed"])
             except Exception as exc:  # noqa: BLE001
                 out["killed"][name] = f"error: {exc}"

@@ -112,7 +112,7 @@ class NodeManager:
 
     def _ask_gpus(self, name: str, info: NodeInfo) -> None:
         try:
-            gpus = self.backend.call(name, "gpus", timeout=30)
+            gpus = self.backend.agents.gpus(name, timeout=30)
         except Exception as exc:  # noqa: BLE001 - asked again next round
             log.debug("GPU report of %s: %s", name, exc)
             return
@@ -143,7 +143,7 @@ class NodeManager:
     def update_cells(self) -> None:
         """Cells on live nodes that no worker or open relocation owns (left by a failed kill, a
         node that came back, an interrupted launch) are killed once they are a minute old."""
-        listed = {name: self.backend.call(name, "cells", timeout=30)
+        listed = {name: self.backend.agents.cells(name, timeout=30)
                   for name, info in self.inventory().items() if info.alive}
         owned = self.owned_cells()  # read after the agents: a cell is recorded before it is created
         for node, cells in listed.items():

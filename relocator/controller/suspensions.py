@@ -153,7 +153,7 @@ class SuspensionManager:
         """The fingerprint gate, then the suspended worker's GPUs reserved on `node`."""
         fp = image_fingerprint(w.image)
         if fp is not None:
-            mismatches = self.backend.call(node, "compatible", fp, timeout=60)
+            mismatches = self.backend.agents.compatible(node, fp, timeout=60)
             if mismatches:
                 raise RuntimeError(f"{node} cannot restore {w.id}: " + "; ".join(mismatches))
         tag = uuid.uuid4().hex[:6]

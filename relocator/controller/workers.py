@@ -53,7 +53,7 @@ class WorkerManager:
 
     def _mark_if_lost(self, w: WorkerRecord) -> bool:
         try:
-            state = self.backend.call(w.node, "cell_state", w.cell_id, timeout=30)
+            state = self.backend.agents.cell_state(w.node, w.cell_id, timeout=30)
         except NodeLost:
             state = "lost"
         if state not in ("absent", "lost"):
@@ -100,8 +100,8 @@ class WorkerManager:
             except Exception as exc:  # noqa: BLE001 - fall back to a cold start
                 log.warning("warm restart of %s from %s failed (%s); launching cold", w.id, w.last_image, exc)
                 best_effort(f"removing the failed restore of {w.id}", lambda: self.backend.kill(node, w.cell_id))
-        return "cold launch", self.backend.call(node, "launch", w.cell_id, w.model_dir, w.model,
-                                              engine=w.engine, gpu_ids=w.gpu_ids or None)
+        return "cold launch", self.backend.agents.launch(node, w.cell_id, w.model_dir, w.model,
+                                                     engine=w.engine, gpu_ids=w.gpu_ids or None)
 
     def replace(self, w: WorkerRecord) -> None:
         """A lost worker gets a fresh copy on a live node: the router holds its requests (and
@@ -198,8 +198,8 @@ class WorkerManager:
         node = w.node
         try:
             t1 = time.monotonic()
-            info = self.backend.call(node, "launch", w.cell_id, w.model_dir, w.model, engine=w.engine,
-                                     gpu_ids=w.gpu_ids or None)
+            info = self.backend.agents.launch(node, w.cell_id, w.model_dir, w.model, engine=w.engine,
+                                             gpu_ids=w.gpu_ids or None)
             w.launch_s = round(time.monotonic() - t1, 3)
             w.endpoint = info["endpoint"]
             self.router().add_replica(w.id, w.model, w.endpoint, tokenizer_of(w), w.engine)
