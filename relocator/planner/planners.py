@@ -7,12 +7,14 @@ step, each step checked, so that no node is ever over capacity.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from relocator.planner.cluster import MILLI, Cluster, Move, Placement, Plan, PlannerError, Workload
+from relocator.planner.gain import plan_gain_milli, usable_gpu_milli  # noqa: F401 - re-exported
 from relocator.planner.policies import Policy, get_policy
+from relocator.planner.trial import Trial as _Trial
 
 DEFAULT_POLICY = "fgd"
 
@@ -54,25 +56,6 @@ def apply_plan(cluster: Cluster, plan: Plan, workload: Workload | None = None, c
         cluster.add(workload, plan.placement.node, plan.placement.gpus)
         if check:
             cluster.check()
-
-
-class _Trial:
-    """Apply moves tentatively and undo them in reverse order."""
-
-    def __init__(self, cluster: Cluster) -> None:
-        self.cluster = cluster
-        self.done: list[tuple[Move, Placement]] = []
-
-    def move(self, wid: str, dst: str, gpus: tuple[int, ...]) -> Move:
-        before = self.cluster.placement_of(wid)
-        mv = self.cluster.move(wid, dst, gpus)
-        self.done.append((mv, before))
-        return mv
-
-    def undo(self) -> None:
-        while self.done:
-            mv, before = self.done.pop()
-            self.cluster.move(mv.workload, before.node, before.gpus)
 
 
 def _fits_after_removal(w: Workload, base: tuple[int, int, list[int]], items: Sequence[tuple[int, int, list[int]]]) -> bool:
@@ -126,20 +109,9 @@ def defragment(
         return Plan((), workload.id, direct)
     if max_moves <= 0:
         return None
-    sl = cluster._slots
-    # nodes whose capacity could ever hold the workload
-    static = (cluster.cpu_cap >= workload.cpu_milli) & (cluster.mem_cap >= workload.memory_mib)
-    if workload.num_gpu:
-        static &= (cluster.num_gpus >= workload.num_gpu) & cluster.model_ok(workload)
-    if allowed is not None:
-        static &= allowed
-    if not static.any():
+    live = _live_slots(cluster, workload, allowed)
+    if live is None:
         return None
-    live = np.nonzero((sl.node >= 0) & sl.reloc)[0]
-    live = live[static[sl.node[live]]]
-    if len(live) == 0:
-        return None
-
     movable: dict[int, bool] = {}
 
     def can_leave(s: int) -> bool:
@@ -148,29 +120,14 @@ def defragment(
             w = cluster._workloads[s]
             assert w is not None
             feas = cluster.feasible(w)
-            feas[int(sl.node[s])] = False
+            feas[int(cluster._slots.node[s])] = False
             if allowed is not None:
                 feas &= allowed
             movable[s] = bool(feas.any())
         return movable[s]
 
-    # ---- one move, vectorised over all running workloads
-    nodes = sl.node[live]
-    ok = (cluster.cpu_left[nodes] + sl.cpu[live] >= workload.cpu_milli) & (
-        cluster.mem_left[nodes] + sl.mem[live] >= workload.memory_mib
-    )
-    if workload.num_gpu:
-        left = cluster.gpu_left[nodes] + sl.use[live]
-        ok &= (left >= workload.gpu_milli).sum(axis=1) >= workload.num_gpu
-    cands1 = live[ok]
-    if len(cands1):
-        order = np.lexsort((cands1, sl.use[cands1].sum(axis=1), sl.nbytes[cands1]))
-        sets: list[list[int]] = []
-        for s in cands1[order][: 4 * max_candidates].tolist():
-            if can_leave(s):
-                sets.append([s])
-                if len(sets) >= max_candidates:
-                    break
+    sets = _one_move_sets(cluster, workload, live, max_candidates, can_leave)
+    if sets:
         plan = _try_sets(cluster, workload, pol, rng, sets, victim_policy=victim_policy, allowed=allowed)
         if plan is not None:
             return plan
@@ -180,6 +137,46 @@ def defragment(
         return None
     sets = victim_sets(cluster, workload, max_moves, max_sets=max_candidates, allowed=allowed)
     return _try_sets(cluster, workload, pol, rng, [v for _, _, _, v in sets], victim_policy=victim_policy, allowed=allowed)
+
+
+def _live_slots(cluster: Cluster, workload: Workload, allowed: np.ndarray | None) -> np.ndarray | None:
+    """The slots of movable running workloads on nodes whose capacity could ever hold
+    ``workload`` (within ``allowed``); None if there are none."""
+    sl = cluster._slots
+    static = (cluster.cpu_cap >= workload.cpu_milli) & (cluster.mem_cap >= workload.memory_mib)
+    if workload.num_gpu:
+        static &= (cluster.num_gpus >= workload.num_gpu) & cluster.model_ok(workload)
+    if allowed is not None:
+        static &= allowed
+    if not static.any():
+        return None
+    live = np.nonzero((sl.node >= 0) & sl.reloc)[0]
+    live = live[static[sl.node[live]]]
+    return live if len(live) else None
+
+
+def _one_move_sets(cluster: Cluster, workload: Workload, live: np.ndarray, max_candidates: int,
+                   can_leave: Callable[[int], bool]) -> list[list[int]]:
+    """One move, vectorised over all running workloads: the cheapest single victims (fewest
+    bytes, then least GPU share) whose departure makes room and that can go elsewhere."""
+    sl = cluster._slots
+    nodes = sl.node[live]
+    ok = (cluster.cpu_left[nodes] + sl.cpu[live] >= workload.cpu_milli) & (
+        cluster.mem_left[nodes] + sl.mem[live] >= workload.memory_mib
+    )
+    if workload.num_gpu:
+        left = cluster.gpu_left[nodes] + sl.use[live]
+        ok &= (left >= workload.gpu_milli).sum(axis=1) >= workload.num_gpu
+    cands1 = live[ok]
+    sets: list[list[int]] = []
+    if len(cands1):
+        order = np.lexsort((cands1, sl.use[cands1].sum(axis=1), sl.nbytes[cands1]))
+        for s in cands1[order][: 4 * max_candidates].tolist():
+            if can_leave(s):
+                sets.append([s])
+                if len(sets) >= max_candidates:
+                    break
+    return sets
 
 
 def _slot_shapes(cluster: Cluster, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -371,53 +368,6 @@ def _try_sets(
         finally:
             trial.undo()
     return None
-
-
-def usable_gpu_milli(
-    cluster: Cluster, nodes: Sequence[int] | np.ndarray, cpu_per_gpu: float, mem_per_gpu: float, min_share: int = 200
-) -> np.ndarray:
-    """GPU share on ``nodes`` that new workloads could still use: free share on GPUs with at
-    least ``min_share`` free, capped by the node's free CPU and memory at ``cpu_per_gpu`` /
-    ``mem_per_gpu`` per whole GPU (the workload's typical ratios), counted in whole GPUs' worth
-    of CPU and memory."""
-    idx = np.asarray(nodes, dtype=np.int64)
-    gl = cluster.gpu_left[idx]
-    share = np.where(gl >= min_share, gl, 0).sum(axis=1).astype(np.float64)
-    by_cpu = np.floor(cluster.cpu_left[idx] / max(cpu_per_gpu, 1e-9)) * MILLI
-    by_mem = np.floor(cluster.mem_left[idx] / max(mem_per_gpu, 1e-9)) * MILLI
-    return np.minimum(share, np.minimum(by_cpu, by_mem))
-
-
-def plan_gain_milli(
-    cluster: Cluster,
-    plan: Plan,
-    workload: Workload | None,
-    cpu_per_gpu: float,
-    mem_per_gpu: float,
-    min_share: int = 200,
-) -> float:
-    """What a plan is worth in GPU share: the workload's own GPUs plus the change in
-    :func:`usable_gpu_milli` on every node the plan touches (a move that frees CPU next to idle
-    GPUs is worth those GPUs; one that takes CPU from beside idle GPUs costs them). Computed by
-    applying the plan tentatively; the cluster is left unchanged."""
-    touched = sorted({cluster.node_index(m.src) for m in plan.moves} | {cluster.node_index(m.dst) for m in plan.moves}
-                     | ({cluster.node_index(plan.placement.node)} if plan.placement is not None else set()))
-    before = usable_gpu_milli(cluster, touched, cpu_per_gpu, mem_per_gpu, min_share).sum()
-    trial = _Trial(cluster)
-    added = False
-    try:
-        for mv in plan.moves:
-            trial.move(mv.workload, mv.dst, mv.gpus)
-        if workload is not None and plan.placement is not None:
-            cluster.add(workload, plan.placement.node, plan.placement.gpus)
-            added = True
-        after = usable_gpu_milli(cluster, touched, cpu_per_gpu, mem_per_gpu, min_share).sum()
-    finally:
-        if added and workload is not None:
-            cluster.remove(workload.id)
-        trial.undo()
-    own = workload.total_gpu_milli if (workload is not None and plan.placement is not None) else 0
-    return float(own + after - before)
 
 
 def evacuate(
