@@ -15,8 +15,6 @@ from typing import Any, Sequence
 from relocator.choices import Choice
 from relocator.vocab import TransferMode
 
-PHASES = ("PLAN", "RESERVE", "HOLD", "DUMP", "TRANSFER", "RESTORE", "SWITCH", "RELEASE")
-
 
 class StepKind(Choice):
     """What one chaos step does to the cluster (the runner's handler table has one per kind)."""
