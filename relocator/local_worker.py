@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -12,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from adapters.base import EngineAdapter, LaunchSpec
+from relocator import waits
 from relocator.paths import tail
 from relocator.ports import free_port
 
@@ -37,14 +37,16 @@ class LocalWorker:
 
     async def wait_ready(self, timeout: float = 240.0) -> float:
         """Wait until the server serves; returns seconds since launch."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        async def serving() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if await self.adapter.is_ready(self.base_url):
-                return time.monotonic() - self.started_at
-            await asyncio.sleep(0.5)
-        raise TimeoutError(f"worker not ready after {timeout:.0f}s:\n{self.log_tail()}")
+            return await self.adapter.is_ready(self.base_url)
+
+        try:
+            await waits.until_async(serving, timeout, every=0.5, what="the local worker")
+        except waits.WaitTimeout:
+            raise TimeoutError(f"worker not ready after {timeout:.0f}s:\n{self.log_tail()}") from None
+        return time.monotonic() - self.started_at
 
     def stop(self, timeout: float = 20.0) -> None:
         if self.proc.poll() is None:

@@ -58,3 +58,19 @@ def test_until_async_takes_coroutines_and_plain_functions():
     assert asyncio.run(waits.until_async(lambda: "now", timeout=5, every=0)) == "now"
     with pytest.raises(waits.WaitTimeout, match="a token"):
         asyncio.run(waits.until_async(lambda: None, timeout=0.02, every=0.005, what="a token"))
+
+
+def test_a_local_worker_waits_until_ready_and_fails_when_its_process_exits(tmp_path):
+    from types import SimpleNamespace
+
+    from relocator.local_worker import LocalWorker
+
+    answers = iter([False, False, True])
+    adapter = SimpleNamespace(is_ready=lambda _url: asyncio.sleep(0, next(answers)))
+    proc = SimpleNamespace(poll=lambda: None, returncode=None)
+    w = LocalWorker(adapter, SimpleNamespace(port=1, served_model_name="m"), proc, tmp_path / "log")
+    assert asyncio.run(w.wait_ready(timeout=30)) >= 0
+
+    proc.poll, proc.returncode = (lambda: 3), 3
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        asyncio.run(w.wait_ready(timeout=30))

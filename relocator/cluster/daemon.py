@@ -29,14 +29,19 @@ def _write(base: Path, info: dict) -> None:
 def _wait_http(url: str, timeout: float = 30.0) -> None:
     import urllib.request
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    from relocator import waits
+
+    def answers() -> bool:
         try:
             urllib.request.urlopen(url, timeout=1).read()
-            return
+            return True
         except Exception:  # noqa: BLE001
-            time.sleep(0.1)
-    raise RuntimeError(f"{url} did not answer within {timeout:.0f}s")
+            return False
+
+    try:
+        waits.until(answers, timeout, every=0.1, what=url)
+    except waits.WaitTimeout:
+        raise RuntimeError(f"{url} did not answer within {timeout:.0f}s") from None
 
 
 def node_name(i: int) -> str:
