@@ -275,6 +275,20 @@ async def test_disabled_keeps_todays_errors():
 
 
 @ASYNC
+async def test_a_stream_that_cannot_be_continued_leaves_its_replicas_once():
+    """A failed continuation used to leave the broken replica a second time (its in-flight
+    count went below zero, so least_in_flight sent it more than its share)."""
+    t, up, core, hooks = make(replicas=(("w1", "http://a"), ("w2", "http://b")), hold_s=0)
+    t.get("w2").in_flight = 5  # least_in_flight: the stream starts on w1
+    up.die_after["http://a"] = 5
+    up.dead.add("http://b")  # nowhere to continue
+    chunks, _ = await run_stream(core)
+    t.get("w2").in_flight -= 5
+    assert chunks[-1]["error"]["code"] == "continuation_failed"
+    assert t.get("w1").in_flight == 0 and t.get("w2").in_flight == 0
+
+
+@ASYNC
 async def test_control_hold_turns_suspect_into_normal_hold_release_and_remove():
     t, up, core, hooks = make(hold_s=0.2)
     up.dead.add("http://a")

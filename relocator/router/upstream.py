@@ -11,7 +11,7 @@ from typing import AsyncIterator
 
 import aiohttp
 
-from .core import UpstreamError
+from .transport import UpstreamError
 
 
 class UpstreamResp:
