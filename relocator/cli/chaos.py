@@ -89,32 +89,37 @@ def chaos_cmd(duration: float = typer.Option(None, "--duration", help="stop star
             {k: v for k, v in m.items() if k != "phase_times"} for m in rep.get("moves", [])]}
         print_json(rep)
     else:
-        t = Table(title=f"chaos: {rep.get('relocations')} relocations, {rep.get('faults_injected')} faults")
-        for c in ("fault", "result", "ok", "serving again s", "problems"):
-            t.add_column(c)
-        for name, o in rep.get("faults", {}).items():
-            t.add_row(name, str(o["result"]), "yes" if o["ok"] else "[red]NO[/]", str(o.get("serve_again_s")),
-                      "; ".join(o["problems"])[:120])
-        for name, why in rep.get("skipped_faults", {}).items():  # cannot apply on this cluster
-            t.add_row(name, "skipped", "-", "-", why[:120])
-        console.print(t)
-        for o in rep.get("scheduling_steps", []):
-            if not o.get("fault"):
-                console.print(f"{o['kind']} (step {o['step']}): {o['result']} "
-                              + ("ok" if o["ok"] else "[red]NO[/] " + "; ".join(o["problems"])[:120]), highlight=False)
-        console.print(f"plain moves {rep.get('plain_moves_done')}/{rep.get('plain_moves')} done; requests "
-                      f"{rep.get('requests')}, failed {rep.get('failed_requests')} {rep.get('failed_requests_by_fault')}; "
-                      f"tokens lost/dup/mismatched {rep.get('tokens_lost')}/{rep.get('tokens_duplicated')}/"
-                      f"{rep.get('tokens_mismatched')}; texts differing {rep.get('text_mismatched')}; leaked {rep.get('leaked')}; {rep.get('seconds')}s")
-        if rep.get("stalled"):
-            s = rep["stalled"]
-            console.print(f"[red]STALLED[/] in {s['step']} ({s['budget']} budget {s['budget_s']:g}s): waiting for "
-                          f"{s['waiting_for']}; last seen {s['last_event']}; controller's last event "
-                          f"{s.get('controller_event')}", highlight=False)
-        for node, why in rep.get("spared_nodes", {}).items():
-            console.print(f"spared {node}: {why}", highlight=False)
-        console.print("[green]OK[/]" if rep["ok"] else "[red]FAILED[/]")
+        _print_report(rep)
     if rep.get("stalled"):  # 2: the run was cut short, its checks incomplete
         raise typer.Exit(2)
     if not rep["ok"]:
         raise typer.Exit(1)
+
+
+def _print_report(rep: dict) -> None:
+    """The chaos report as a table of faults and a few lines of totals."""
+    t = Table(title=f"chaos: {rep.get('relocations')} relocations, {rep.get('faults_injected')} faults")
+    for c in ("fault", "result", "ok", "serving again s", "problems"):
+        t.add_column(c)
+    for name, o in rep.get("faults", {}).items():
+        t.add_row(name, str(o["result"]), "yes" if o["ok"] else "[red]NO[/]", str(o.get("serve_again_s")),
+                  "; ".join(o["problems"])[:120])
+    for name, why in rep.get("skipped_faults", {}).items():  # cannot apply on this cluster
+        t.add_row(name, "skipped", "-", "-", why[:120])
+    console.print(t)
+    for o in rep.get("scheduling_steps", []):
+        if not o.get("fault"):
+            console.print(f"{o['kind']} (step {o['step']}): {o['result']} "
+                          + ("ok" if o["ok"] else "[red]NO[/] " + "; ".join(o["problems"])[:120]), highlight=False)
+    console.print(f"plain moves {rep.get('plain_moves_done')}/{rep.get('plain_moves')} done; requests "
+                  f"{rep.get('requests')}, failed {rep.get('failed_requests')} {rep.get('failed_requests_by_fault')}; "
+                  f"tokens lost/dup/mismatched {rep.get('tokens_lost')}/{rep.get('tokens_duplicated')}/"
+                  f"{rep.get('tokens_mismatched')}; texts differing {rep.get('text_mismatched')}; leaked {rep.get('leaked')}; {rep.get('seconds')}s")
+    if rep.get("stalled"):
+        s = rep["stalled"]
+        console.print(f"[red]STALLED[/] in {s['step']} ({s['budget']} budget {s['budget_s']:g}s): waiting for "
+                      f"{s['waiting_for']}; last seen {s['last_event']}; controller's last event "
+                      f"{s.get('controller_event')}", highlight=False)
+    for node, why in rep.get("spared_nodes", {}).items():
+        console.print(f"spared {node}: {why}", highlight=False)
+    console.print("[green]OK[/]" if rep["ok"] else "[red]FAILED[/]")

@@ -140,27 +140,23 @@ def preflight(nodes: dict[str, dict[str, Any]], cfg: DeployConfig, base_dir: str
     return out
 
 
-def deploy(address: str, config: DeployConfig | str | Path | None = None) -> dict[str, Any]:
-    """Start relocator on the Ray cluster at `address`; returns the deployment's record with the
-    per-host preflight. Refuses (DeployError) when something is deployed already, no node has
-    the resource, or a host fails its preflight (unless `allow_failed_preflight`)."""
-    import ray
-
-    cfg = config if isinstance(config, DeployConfig) else DeployConfig.load(config)
-    t0 = time.monotonic()
+def _check_access(cfg: DeployConfig, address: str, keys: list[str]) -> bool:
+    """Connect, refusing an open router or an open Ray cluster (unless insecure); whether the
+    driver holds a Ray token."""
     from relocator.deploy import security
 
-    keys = security.router_keys(cfg.router.api_keys, cfg.router.api_key_file)
     if cfg.router.host:  # known before connecting: refuse at once
         _refuse(security.router_problem(cfg.router.host, keys, cfg.insecure))
     init_ray(address)
     has_token = security.driver_has_token()
     anonymous = security.cluster_anonymous_access() if has_token and not cfg.insecure else None
     _refuse(security.ray_problem(has_token, anonymous, cfg.insecure))
-    from relocator import credentials
-    from relocator.controller.controller import CONTROLLER_NAME, start_controller
-    from relocator.deploy import hosts
-    from relocator.deploy.routeractor import ROUTER_ACTOR, start_router
+    return has_token
+
+
+def _refuse_existing() -> None:
+    """Refuse when relocator runs on the cluster already; drop a stale record."""
+    from relocator.controller.controller import CONTROLLER_NAME
 
     old = _kv_get()
     if old is not None:
@@ -171,6 +167,14 @@ def deploy(address: str, config: DeployConfig | str | Path | None = None) -> dic
     if _actor(CONTROLLER_NAME) is not None:
         raise DeployError("a relocator controller runs on this cluster but was not started by deploy "
                           "(a local cluster?); stop it first")
+
+
+def _select_nodes(cfg: DeployConfig) -> tuple[dict[str, dict], dict]:
+    """({name: Ray node} of the nodes with the resource, the controller's Ray node)."""
+    import ray
+
+    from relocator.deploy import hosts
+
     alive = [n for n in ray.nodes() if n.get("Alive")]
     selected = [n for n in alive if n.get("Resources", {}).get(cfg.nodes.resource, 0) > 0]
     if not selected:
@@ -178,57 +182,100 @@ def deploy(address: str, config: DeployConfig | str | Path | None = None) -> dic
                           f"`ray start --resources '{{\"{cfg.nodes.resource}\": 1}}'`)")
     names = hosts.name_nodes(selected, cfg.nodes.names)
     ctl_node = _pick_controller_node(alive, names, cfg.controller.node)
-    router_host = cfg.router.host or ctl_node["NodeManagerAddress"]
-    _refuse(security.router_problem(router_host, keys, cfg.insecure))
-    dep_id = f"d{uuid.uuid4().hex[:8]}"
-    base = str(Path(cfg.base_dir) / dep_id)
+    return {names[n["NodeID"]]: n for n in selected}, ctl_node
+
+
+def _checked_preflight(cfg: DeployConfig, by_name: dict[str, dict], ctl_node: dict, base: str) -> dict[str, Any]:
+    """Every host's preflight; DeployError (the probes' directories removed) if one failed,
+    unless allow_failed_preflight."""
+    import ray
+
+    from relocator.deploy import hosts
+
     marker = None
     if cfg.controller.transfer.value == "shared":
         marker = uuid.uuid4().hex
         ray.get(_pinned(hosts.write_marker, ctl_node["NodeID"]).remote(base, marker), timeout=60)
-    by_name = {names[n["NodeID"]]: n for n in selected}
     report = preflight(by_name, cfg, base, marker)
-    preflight_s = time.monotonic() - t0
     bad = {h: r["failed"] for h, r in report.items() if not r["ok"]}
     if bad and not cfg.allow_failed_preflight:
         for n in {**by_name, "_ctl": ctl_node}.values():  # the probes' directories
             ray.get(_pinned(hosts.remove_dir, n["NodeID"]).remote(base), timeout=60)
         lines = "; ".join(f"{h}: {', '.join(f)}" for h, f in sorted(bad.items()))
         raise DeployError(f"preflight failed on {len(bad)} of {len(report)} host(s): {lines}", report)
+    return report
+
+
+def _node_record(n: dict) -> dict[str, Any]:
+    return {"ray_node_id": n["NodeID"], "ip": n.get("NodeManagerAddress"), "hostname": n.get("NodeManagerHostname")}
+
+
+def _start(cfg: DeployConfig, base: str, by_name: dict[str, dict], ctl_node: dict, router_host: str,
+           keys: list[str]) -> tuple[dict, dict[str, Any]]:
+    """The router actor, the controller and (through it) the agents: (router info, {name: ping})."""
+    import ray
+
+    from relocator import credentials
+    from relocator.controller.controller import start_controller
+    from relocator.deploy.routeractor import start_router
+
+    router = start_router(ctl_node["NodeID"], router_host,
+                          cfg.router.port, cfg.router.control_port, cfg.router.control_token,
+                          str(Path(base) / "router"), api_keys=keys,
+                          metrics_public=cfg.router.metrics_public, insecure=cfg.insecure)
+    rinfo = ray.get(router.info.remote(), timeout=120)
+    ctl_cfg = cfg.controller.model_dump(mode="json", exclude={"node"})
+    ctl = start_controller({"base_dir": base, "router_url": rinfo["router_url"],
+                            "router_control_url": rinfo["router_control_url"],
+                            "router_token": cfg.router.control_token,
+                            "node_names": {n["NodeID"]: name for name, n in by_name.items()},
+                            # every agent's TLS certificate and the image key (relocator.credentials)
+                            "credentials": credentials.for_nodes(credentials.make_cluster(), sorted(by_name)),
+                            **ctl_cfg},
+                           ray_node_id=ctl_node["NodeID"] if cfg.controller.node else None)
+    ray.get(ctl.ping.remote(), timeout=300)
+    agents = {}
+    for name in sorted(by_name):
+        a = _actor(agent_name(name))
+        agents[name] = ray.get(a.ping.remote(), timeout=120) if a is not None else None
+    missing = [n for n, a in agents.items() if a is None]
+    if missing:
+        raise DeployError(f"no agent came up on {', '.join(missing)}")
+    return rinfo, agents
+
+
+def deploy(address: str, config: DeployConfig | str | Path | None = None) -> dict[str, Any]:
+    """Start relocator on the Ray cluster at `address`; returns the deployment's record with the
+    per-host preflight. Refuses (DeployError) when something is deployed already, no node has
+    the resource, or a host fails its preflight (unless `allow_failed_preflight`)."""
+    cfg = config if isinstance(config, DeployConfig) else DeployConfig.load(config)
+    t0 = time.monotonic()
+    from relocator.deploy import security
+
+    keys = security.router_keys(cfg.router.api_keys, cfg.router.api_key_file)
+    has_token = _check_access(cfg, address, keys)
+    from relocator.controller.controller import CONTROLLER_NAME  # (Ray and the controller: once allowed)
+    from relocator.deploy.routeractor import ROUTER_ACTOR
+
+    _refuse_existing()
+    by_name, ctl_node = _select_nodes(cfg)
+    router_host = cfg.router.host or ctl_node["NodeManagerAddress"]
+    _refuse(security.router_problem(router_host, keys, cfg.insecure))
+    dep_id = f"d{uuid.uuid4().hex[:8]}"
+    base = str(Path(cfg.base_dir) / dep_id)
+    report = _checked_preflight(cfg, by_name, ctl_node, base)
+    preflight_s = time.monotonic() - t0
     record: dict[str, Any] = {
         "id": dep_id, "address": address, "base_dir": base, "started_at": time.time(),
-        "nodes": {name: {"ray_node_id": n["NodeID"], "ip": n.get("NodeManagerAddress"),
-                         "hostname": n.get("NodeManagerHostname")} for name, n in sorted(by_name.items())},
-        "controller_node": {"ray_node_id": ctl_node["NodeID"], "ip": ctl_node.get("NodeManagerAddress"),
-                            "hostname": ctl_node.get("NodeManagerHostname")},
+        "nodes": {name: _node_record(n) for name, n in sorted(by_name.items())},
+        "controller_node": _node_record(ctl_node),
         "actors": [CONTROLLER_NAME, ROUTER_ACTOR, *[agent_name(n) for n in sorted(by_name)]],
         "transfer": cfg.controller.transfer.value,
         "router_auth": "api_key" if keys else "none", "ray_auth": "token" if has_token else "none",
     }
     _kv_put(record)  # before anything starts: an undeploy after a failure here finds it all
     try:
-        router = start_router(ctl_node["NodeID"], router_host,
-                              cfg.router.port, cfg.router.control_port, cfg.router.control_token,
-                              str(Path(base) / "router"), api_keys=keys,
-                              metrics_public=cfg.router.metrics_public, insecure=cfg.insecure)
-        rinfo = ray.get(router.info.remote(), timeout=120)
-        ctl_cfg = cfg.controller.model_dump(mode="json", exclude={"node"})
-        ctl = start_controller({"base_dir": base, "router_url": rinfo["router_url"],
-                                "router_control_url": rinfo["router_control_url"],
-                                "router_token": cfg.router.control_token,
-                                "node_names": {n["NodeID"]: name for name, n in by_name.items()},
-                                # every agent's TLS certificate and the image key (relocator.credentials)
-                                "credentials": credentials.for_nodes(credentials.make_cluster(), sorted(by_name)),
-                                **ctl_cfg},
-                               ray_node_id=ctl_node["NodeID"] if cfg.controller.node else None)
-        ray.get(ctl.ping.remote(), timeout=300)
-        agents = {}
-        for name in sorted(by_name):
-            a = _actor(agent_name(name))
-            agents[name] = ray.get(a.ping.remote(), timeout=120) if a is not None else None
-        missing = [n for n, a in agents.items() if a is None]
-        if missing:
-            raise DeployError(f"no agent came up on {', '.join(missing)}")
+        rinfo, agents = _start(cfg, base, by_name, ctl_node, router_host, keys)
     except BaseException:
         try:
             undeploy(address)
