@@ -12,6 +12,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from relocator import procs
+
 
 class Check(BaseModel):
     name: str
@@ -88,7 +90,7 @@ def _criu() -> list[Check]:
 def _kernel() -> list[Check]:
     checks = []
     for ns in ("pid", "mnt", "ipc", "uts", "net"):
-        present = Path(f"/proc/self/ns/{ns}").exists()
+        present = procs.namespace(ns) is not None
         checks.append(Check(name=f"kernel {ns} namespaces", ok=present, detail="present" if present else "missing",
                             fix="a kernel with CONFIG_NAMESPACES and CONFIG_*_NS"))
     mf = Path("/proc/self/map_files").exists()
@@ -128,18 +130,7 @@ def _python() -> list[Check]:
 
 def _fs_type(path: Path) -> str:
     """The filesystem type of the mount holding `path` (longest matching mount point)."""
-    best, kind = "", "?"
-    try:
-        lines = Path("/proc/self/mounts").read_text().splitlines()
-    except OSError:
-        return kind
-    target = str(path.resolve())
-    for line in lines:
-        parts = line.split()
-        if len(parts) >= 3 and (target == parts[1] or target.startswith(parts[1].rstrip("/") + "/")) \
-                and len(parts[1]) >= len(best):
-            best, kind = parts[1], parts[2]
-    return kind
+    return procs.fs_type(path) or "?"
 
 
 #: filesystems that other hosts can mount too (an image store on one is "shared" across hosts)
