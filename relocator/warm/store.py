@@ -248,8 +248,11 @@ class ImageStore:
         meta = self._read_meta(key)
         path = self.path_of(key)
         if "bytes" not in meta:  # no meta (written by hand, or lost): from the directory
-            mtime = path.stat().st_mtime if path.exists() else 0.0
-            meta = {"bytes": _dir_bytes(path) if path.exists() else 0, "created": mtime, "last_used": mtime}
+            try:
+                mtime = path.stat().st_mtime
+                meta = {"bytes": _dir_bytes(path), "created": mtime, "last_used": mtime}
+            except OSError:  # removed meanwhile
+                meta = {"bytes": 0, "created": 0.0, "last_used": 0.0}
         return Entry(key=key, path=path, bytes=int(meta["bytes"]), created=float(meta.get("created", 0)),
                      last_used=float(meta.get("last_used", 0)), engine=meta.get("kind", {}).get("engine", ""),
                      model_id=meta.get("kind", {}).get("model_id", ""))
