@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from relocator import waits
 from relocator.chaos.faults import Fault
 from relocator.chaos.hosts import LocalView
 from relocator.chaos.probe import _kill
@@ -57,12 +58,8 @@ class Injector:
 
     def _kill_source_agent(self, rel: dict, still) -> None:
         rid = rel["id"]
-        deadline = time.monotonic() + 5
-        seen = False
-        while time.monotonic() < deadline and not seen:  # CRIU dump in flight
-            seen = bool(criu_processes(process_table(), "dump", rid))
-            if not seen:
-                time.sleep(0.01)
+        # CRIU dump in flight
+        seen = bool(waits.settle(lambda: criu_processes(process_table(), "dump", rid), 5, every=0.01))
         if still().get("phase") != "DUMP":
             return
         self._kill_agent(rel["src"], criu_dump_running=seen)
@@ -70,30 +67,36 @@ class Injector:
     def _cut_transfer(self, rel: dict, still) -> None:
         """The target's page server, once the dump's pages flow into it."""
         rid = rel["id"]
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and still().get("phase") == "DUMP":
+
+        def cut() -> bool:  # True: done (cut, or the dump is over)
+            if still().get("phase") != "DUMP":
+                return True
             for pid in criu_processes(process_table(), "page-server", rid):
                 img = self.view.path(rel["dst"], rel.get("dst_image_dir") or "")
                 got = sum(p.stat().st_size for p in img.glob("pages-*.img")) if img.is_dir() else 0
                 if got > (8 << 20) and _kill(pid):
                     self._mark(killed="target page server", pid=pid, bytes_received=got)
-                    return
-            time.sleep(0.005)
+                    return True
+            return False
+
+        waits.settle(cut, 10, every=0.005)
 
     def _postcopy_session(self, rel: dict, still, timeout: float = 20.0) -> dict | None:
         """The post-copy state of the move's target copy once its keeper relays pages."""
         from relocator.agent.postcopy import read_state
 
         cdir = self.view.state_dir(rel["dst"]) / "cells" / rel["dst_cell"]
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and still().get("phase") == self.fault.phase:
+
+        def look() -> tuple[dict | None] | None:  # (the session or None): the wait is over
+            if still().get("phase") != self.fault.phase:
+                return (None,)
             st = read_state(cdir) or {}
             if st.get("state") == "running" and st.get("page_bytes", 0) > 0:
-                return st
-            if st.get("state") in ("done", "failed"):
-                return None
-            time.sleep(0.01)
-        return None
+                return (st,)
+            return (None,) if st.get("state") in ("done", "failed") else None
+
+        found = waits.settle(look, timeout, every=0.01)
+        return found[0] if found else None
 
     def _postcopy_kill_target(self, rel: dict, still) -> None:
         st = self._postcopy_session(rel, still)
@@ -183,8 +186,8 @@ class Injector:
     def _kill_target_cell(self, rel: dict, still) -> None:
         rid, dst_cell = rel["id"], rel.get("dst_cell")
         cell_json = self.view.state_dir(rel["dst"]) / "cells" / dst_cell / "cell.json"
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
+
+        def kill() -> bool:  # True: done (killed, or the restore is over)
             table = process_table()
             for pid in criu_processes(table, "restore", rid):
                 kids = descendants(pid, table)
@@ -192,7 +195,7 @@ class Injector:
                     for k in kids:
                         _kill(k)
                     self._mark(killed="tasks under criu restore", pids=kids)
-                    return
+                    return True
             if cell_json.exists():
                 try:
                     init = json.loads(cell_json.read_text())["init_pid"]
@@ -200,10 +203,10 @@ class Injector:
                     init = None
                 if init and still().get("phase") == "RESTORE" and _kill(int(init)):
                     self._mark(killed="restored cell init", pids=[init])
-                    return
-            if still().get("phase") != "RESTORE":
-                return
-            time.sleep(0.005)
+                    return True
+            return still().get("phase") != "RESTORE"
+
+        waits.settle(kill, 20, every=0.005)
 
     def _kill_controller(self, rel: dict, still) -> None:
         import ray

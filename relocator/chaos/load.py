@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from typing import Any
 
+from relocator import waits
 from relocator.chaos.config import MODEL
 
 
@@ -68,8 +68,7 @@ class _LoadThread:
         return self
 
     def stop(self, timeout: float = 300) -> Any:
-        while self.stop_ev is None and self.t.is_alive():
-            time.sleep(0.05)
+        waits.settle(lambda: self.stop_ev is not None or not self.t.is_alive(), None, every=0.05)
         if self.stop_ev is not None:
             self.loop.call_soon_threadsafe(self.stop_ev.set)
         self.t.join(timeout)

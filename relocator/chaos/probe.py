@@ -9,6 +9,7 @@ import threading
 import time
 import urllib.request
 
+from relocator import waits
 from relocator.chaos.config import MODEL
 
 
@@ -80,12 +81,11 @@ class _Probe:
         return serving_again_at(self.answers(ep, since, wait_s), self.SLOW_S)
 
     def answers(self, ep: str, since: float, wait_s: float = 5.0) -> list[tuple[float, float | None]]:
-        deadline = time.monotonic() + wait_s
-        while True:
-            xs = sorted(x for x in list(self.ok.get(ep, [])) if x[0] >= since - 0.05)
-            if any(b is not None and b - a <= self.SLOW_S for a, b in xs) or time.monotonic() > deadline:
-                return xs
-            time.sleep(0.05)
+        def probes() -> list[tuple[float, float | None]]:
+            return sorted(x for x in list(self.ok.get(ep, [])) if x[0] >= since - 0.05)
+
+        waits.settle(lambda: any(b is not None and b - a <= self.SLOW_S for a, b in probes()), wait_s, every=0.05)
+        return probes()
 
 
 def serving_again_at(probes: list[tuple[float, float | None]], slow_s: float = 1.0) -> float | None:

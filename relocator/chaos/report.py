@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
+from relocator import waits
 from relocator.chaos import leaks as L
 from relocator.chaos.faults import FAULTS, StepKind, check_outcome, check_scheduling_outcome
 from relocator.chaos.hosts import LocalView
@@ -13,12 +13,15 @@ from relocator.chaos.hosts import LocalView
 
 def _leak_settle(view: LocalView, before: dict, expected: dict, netns_names: set[str],
                  timeout: float = 20.0) -> dict[str, list[str]]:
-    deadline = time.monotonic() + timeout
-    while True:
-        leaked = L.diff_leaks(before, view.collect(netns_names=netns_names), expected)
-        if not L.total(leaked) or time.monotonic() > deadline:
-            return leaked
-        time.sleep(1.0)
+    last: dict[str, list[str]] = {}
+
+    def clean() -> bool:
+        last.clear()
+        last.update(L.diff_leaks(before, view.collect(netns_names=netns_names), expected))
+        return not L.total(last)
+
+    waits.settle(clean, timeout, every=1.0)
+    return last
 
 
 def _our_netns(cells: set[str], moves: list[dict]) -> set[str]:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from relocator import waits
 from relocator.chaos.budget import Watch
 from relocator.chaos.config import MODEL, ChaosConfig
 from relocator.chaos.faults import FAULTS, Step, StepKind
@@ -109,10 +110,10 @@ def _drive(ctl, rid: str, worker: dict, step: Step, cfg: ChaosConfig, inj: Injec
         state["rel"] = _rel(ctl, rid)
         return state["rel"]
 
-    deadline = time.monotonic() + cfg.move_timeout_s
-    _waiting(f"relocation {rid} of {worker['id']} ({step.fault or 'plain move'}) to finish")
-    rel = still()
-    while rel.get("result") == "running" and time.monotonic() < deadline:
+    def ended() -> bool:  # one poll: the relocation's record, the fault injected at its phase
+        rel = still()
+        if rel.get("result") != "running":
+            return True
         if inj and not inj.injected and inj.ready(rel):
             try:
                 inj.act(rel, still)
@@ -124,9 +125,11 @@ def _drive(ctl, rid: str, worker: dict, step: Step, cfg: ChaosConfig, inj: Injec
         if probe and _detected_at(rel, inj) is not None:
             probe.add(worker["endpoint"])
             probe.add(rel.get("dst_endpoint"))
-        time.sleep(0.02)
-        rel = still()
-    return rel
+        return False
+
+    _waiting(f"relocation {rid} of {worker['id']} ({step.fault or 'plain move'}) to finish")
+    waits.settle(ended, cfg.move_timeout_s, every=0.02)
+    return state["rel"]
 
 
 def _await_node_loss(ctl, rel: dict, fault: Any, worker: dict, cfg: ChaosConfig,
@@ -134,23 +137,23 @@ def _await_node_loss(ctl, rel: dict, fault: Any, worker: dict, cfg: ChaosConfig,
     """Ray declares the node dead after its health checks fail; a worker that ended up there
     (the move completed first) is then marked lost and replaced (from its last image).
     (the worker's node alive, when the lost node was seen lost)"""
-    node_alive, lost_at = True, None
-    t_end = time.monotonic() + cfg.move_timeout_s
-    _waiting(f"Ray to declare {rel.get(fault.lost_node)} dead and {worker['id']} running or failed on a live node")
-    while time.monotonic() < t_end:
+    seen: dict[str, Any] = {"node_alive": True, "lost_at": None}
+
+    def replaced() -> bool:
         st = _status(ctl)
         nodes = {n["id"]: n for n in st["nodes"]}
         w = next((x for x in st["workers"] if x["id"] == worker["id"]), None)
         if w:
             _seen(f"{w['id']}: {w['state']} on {w['node']}")
-        node_alive = bool(w) and nodes.get(w["node"], {}).get("alive", False)
-        lost_at = nodes.get(rel.get(fault.lost_node), {}).get("lost_at")
+        node_alive = seen["node_alive"] = bool(w) and nodes.get(w["node"], {}).get("alive", False)
+        lost_at = seen["lost_at"] = nodes.get(rel.get(fault.lost_node), {}).get("lost_at")
         if probe and w and w.get("endpoint"):
             probe.add(w["endpoint"])
-        if lost_at and node_alive and w["state"] in ("running", "failed"):
-            break
-        time.sleep(0.2)
-    return node_alive, lost_at
+        return bool(lost_at and node_alive and w["state"] in ("running", "failed"))
+
+    _waiting(f"Ray to declare {rel.get(fault.lost_node)} dead and {worker['id']} running or failed on a live node")
+    waits.settle(replaced, cfg.move_timeout_s, every=0.2)
+    return seen["node_alive"], seen["lost_at"]
 
 
 def _answers(w: dict | None) -> bool:
@@ -159,14 +162,12 @@ def _answers(w: dict | None) -> bool:
         return False
     ep = w["endpoint"]
     _waiting(f"{w['id']} to answer at {ep}")
-    serving = False
-    t_end = time.monotonic() + 30
-    while time.monotonic() < t_end and not serving:
+
+    def answered() -> bool:
         _check()
-        serving = _post_ok(ep, timeout=5)
-        if not serving:
-            time.sleep(0.2)
-    return serving
+        return _post_ok(ep, timeout=5)
+
+    return bool(waits.settle(answered, 30, every=0.2))
 
 
 def _serve_again(probe: _Probe, rel: dict, inj: Injector, fault: Any, ep: str | None,
@@ -243,16 +244,17 @@ def _serving(ctl, ids: list[str] | None = None, timeout: float = 30.0) -> list[s
     for w in st["workers"]:
         if ids is not None and w["id"] not in ids:
             continue
-        t_end = time.monotonic() + timeout
-        ok = False
-        while time.monotonic() < t_end and not ok:
-            ok = w["state"] == "running" and bool(w.get("endpoint")) and _post_ok(w["endpoint"], timeout=5)
-            if not ok:
-                time.sleep(0.3)
-                w = next((x for x in _status(ctl)["workers"] if x["id"] == w["id"]), w)
-        if not ok:
+        if not waits.settle(lambda: _answering(ctl, w), timeout, every=0.3):
             bad.append(w["id"])
     return bad
+
+
+def _answering(ctl, w: dict) -> bool:
+    """`w` running and answering; updated in place from the controller's status when not."""
+    if w["state"] == "running" and bool(w.get("endpoint")) and _post_ok(w["endpoint"], timeout=5):
+        return True
+    w.update(next((x for x in _status(ctl)["workers"] if x["id"] == w["id"]), {}))
+    return False
 
 
 def suspend_resume(ctl, base: Path, step: Step, worker: dict, cfg: ChaosConfig, say) -> dict[str, Any]:
@@ -290,17 +292,16 @@ def _fragment(ctl, gpus: int, tag: str) -> list[Any]:
     # Ray frees a stopped worker's reservation asynchronously (seen lagging seconds on a loaded
     # machine): wait until its view agrees with the records, or a node that is about to be free
     # gets no filler and the launch needs no move
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    def agrees() -> bool:
         st = _status(ctl)
         held: dict[str, int] = {}
         for w in st["workers"]:
             if w.get("state") in ("running", "starting", "relocating"):
                 held[w["node"]] = held.get(w["node"], 0) + int(w.get("gpus") or 0)
-        if all(n["gpus_free"] == n["gpus_total"] - held.get(n["id"], 0) for n in st["nodes"]
-               if n.get("alive", True)):
-            break
-        time.sleep(0.5)
+        return all(n["gpus_free"] == n["gpus_total"] - held.get(n["id"], 0) for n in st["nodes"]
+                   if n.get("alive", True))
+
+    waits.settle(agrees, 30, every=0.5)
     pgs = []
     for n in _status(ctl)["nodes"]:
         if n.get("alive", True) and n["gpus_free"] >= gpus:
@@ -361,15 +362,7 @@ def make_room(ctl, base: Path, step: Step, worker: dict, cfg: ChaosConfig, say) 
     out["not_serving"] = _serving(ctl, [w["id"] for w in _status(ctl)["workers"] if w["id"] != out["worker"]])
     out["serving"] = not out["not_serving"]
     if launched:  # the node-sized worker (or its pending demand) goes again
-        t_end = time.monotonic() + 120
-        while time.monotonic() < t_end:
-            try:
-                ctl.stop_worker(launched)
-                break
-            except KeyError:
-                break
-            except RuntimeError:  # being seated by the reconcile loop's retry: once it is done
-                time.sleep(1.0)
+        waits.settle(lambda: _stopped(ctl, launched), 120, every=1.0)
     out["ended_at"] = time.time()
     out["settle_s"] = _settle(ctl)
     say(f"  step {step.index}: make-room launch of {gpus} GPU(s) {step.fault or 'plain'}: {out['result']} "
@@ -377,17 +370,28 @@ def make_room(ctl, base: Path, step: Step, worker: dict, cfg: ChaosConfig, say) 
     return out
 
 
+def _stopped(ctl, wid: str) -> bool:
+    """Stop `wid`; False while it is being seated by the reconcile loop's retry (try again)."""
+    try:
+        ctl.stop_worker(wid)
+    except KeyError:
+        pass
+    except RuntimeError:
+        return False
+    return True
+
+
 def _settle(ctl, timeout: float = 60.0) -> float | None:
     """Until the router answers a request again (it may be restarting, or re-registering the
     workers): the next move starts on a serving cluster. Seconds waited, None if it never did."""
     t0 = time.monotonic()
     _waiting("the router to answer")
-    while time.monotonic() - t0 < timeout:
+
+    def answers() -> bool:
         _check()
-        if _post_ok(ctl.router_url, timeout=10):
-            return round(time.monotonic() - t0, 3)
-        time.sleep(0.2)
-    return None
+        return _post_ok(ctl.router_url, timeout=10)
+
+    return round(time.monotonic() - t0, 3) if waits.settle(answers, timeout, every=0.2) else None
 
 
 #: what each scheduling-layer step kind runs (forced moves run `one_move`)
