@@ -78,3 +78,70 @@ def test_the_ray_backend_has_every_modes_agent_calls() -> None:
     for name in ("shared_storage", "open_page_server", "transfer_info", "dump_lazy", "postcopy_wait",
                  "lazy_dump_wait", "postcopy_status"):
         assert callable(getattr(RayBackend, name, None)), name
+
+
+# ------------------------------------------------------------- the typed agent client, fake Ray
+class _FakeRay:
+    """ray.wait / get / cancel over refs that are ready after `ready_after` waits."""
+
+    class exceptions:  # noqa: N801 - as ray.exceptions
+        class ActorDiedError(Exception):
+            pass
+
+    def __init__(self, ready_after: int) -> None:
+        self.ready_after, self.waits, self.cancelled = ready_after, 0, []
+
+    def wait(self, refs, timeout=None):
+        self.waits += 1
+        return (refs, []) if self.waits > self.ready_after else ([], refs)
+
+    def get(self, ref):
+        return {"answer": ref}
+
+    def cancel(self, ref, force=False):
+        self.cancelled.append(ref)
+
+
+class _Handle:
+    class gpus:  # noqa: N801 - an actor method: `.remote()` gives its ref
+        @staticmethod
+        def remote():
+            return "ref-gpus"
+
+
+def _client(monkeypatch, fake_ray: _FakeRay, alive):
+    import sys
+
+    from relocator.controller.backend import AgentClient
+
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    client = AgentClient(alive)
+    client._handles["n1"] = _Handle()
+    return client
+
+
+def test_agent_call_answers_once_its_ref_is_ready(monkeypatch) -> None:
+    fake = _FakeRay(ready_after=2)
+    assert _client(monkeypatch, fake, lambda node, fresh: True).gpus("n1") == {"answer": "ref-gpus"}
+    assert fake.waits == 3 and fake.cancelled == []
+
+
+def test_agent_call_on_a_dead_node_fails_fast_and_cancels(monkeypatch) -> None:
+    from relocator.controller.errors import NodeLost
+
+    fake = _FakeRay(ready_after=10**6)
+    with pytest.raises(NodeLost):  # declared dead before: nothing is sent
+        _client(monkeypatch, fake, lambda node, fresh: False).gpus("n1")
+    assert fake.waits == 0
+    answers = iter([True, True, False])  # alive when sent, dead at the second check
+    with pytest.raises(NodeLost):
+        _client(monkeypatch, fake, lambda node, fresh: next(answers)).gpus("n1")
+    assert fake.cancelled == ["ref-gpus"]
+
+
+def test_agent_call_that_never_answers_times_out_naming_the_call(monkeypatch) -> None:
+    fake = _FakeRay(ready_after=10**6)
+    client = _client(monkeypatch, fake, lambda node, fresh: True)
+    with pytest.raises(TimeoutError, match="agent of n1: gpus did not answer within 0s"):
+        client.gpus("n1", timeout=0.01)
+    assert fake.cancelled == ["ref-gpus"]
