@@ -239,3 +239,40 @@ def test_no_function_over_80_lines():
 def test_no_getattr_dispatch_on_built_names():
     hits = getattr_dispatch(MODS)
     assert not hits, "getattr on a built name:\n" + "\n".join(hits)
+
+
+def _outside_deps(prefix: str) -> set[str]:
+    """The tree's modules outside `prefix` (a module or a package) that `prefix` imports."""
+    edges = import_edges(MODS)
+    inside = [n for n in MODS if n == prefix or n.startswith(prefix + ".")]
+    assert inside, prefix
+    return {d for n in inside for d in edges[n] if not (d == prefix or d.startswith(prefix + "."))}
+
+
+#: the shared vocabulary and helpers every part uses: below all of them, so they import only
+#: each other (an import from here back up is how the circles of issue 27 began)
+BOTTOM = ("relocator.choices", "relocator.vocab", "relocator.gpus", "relocator.ports",
+          "relocator.waits", "relocator.procs", "relocator.paths")
+
+
+def test_shared_vocabulary_is_below_its_users():
+    for mod in BOTTOM:
+        up = {d for d in _outside_deps(mod) if d not in BOTTOM}
+        assert not up, f"{mod} imports {sorted(up)}"
+
+
+def _under(deps: set[str], *parts: str) -> set[str]:
+    return {d for d in deps if any(d == p or d.startswith(p + ".") for p in parts)}
+
+
+def test_the_three_nevers():
+    """docs/architecture.md: the planner is pure, the router never drives the controller, the
+    snapshot knows no traffic."""
+    planner = _outside_deps("relocator.planner")
+    assert planner <= {"relocator.choices"}, sorted(planner)
+    drives = _under(_outside_deps("relocator.router"), "relocator.controller", "relocator.agent",
+                    "relocator.snapshot", "relocator.cell")
+    assert not drives, sorted(drives)
+    traffic = _under(_outside_deps("relocator.snapshot"), "relocator.router", "relocator.gateways",
+                     "loadtests", "relocator.chaos", "relocator.bench")
+    assert not traffic, sorted(traffic)
