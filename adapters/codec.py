@@ -94,9 +94,22 @@ class ContinuationCodec:
         (empty: it does)."""
         return inexact_reasons(kind, body, sent_ids)
 
+    #: the completions choice field naming the stop string or token that ended it
+    stop_reason_field = "stop_reason"
+
     def parse_chunk(self, obj: dict) -> Delta:
-        """One event of the continuation stream."""
-        raise NotImplementedError
+        """One event of the continuation stream (an OpenAI completions chunk)."""
+        if "error" in obj and "choices" not in obj:
+            return Delta(error=obj)
+        choices = obj.get("choices") or []
+        usage = obj.get("usage")
+        if not choices:
+            return Delta(usage=usage, usage_only=True)
+        c = choices[0]
+        return Delta(text=c.get("text") or "", token_ids=list(c.get("token_ids") or ()),
+                     finish_reason=c.get("finish_reason"),
+                     stop_reason=c.get(self.stop_reason_field), logprobs=c.get("logprobs"),
+                     usage=usage)
 
     def detokenize_request(self, model: str, ids: list[int]) -> tuple[str, dict] | None:
         """(path, body) asking the engine for the text of `ids`, or None if unsupported."""

@@ -22,11 +22,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from adapters.codec import ContinuationCodec, Delta, Kind, completions_continuation
+from adapters.codec import ContinuationCodec, Kind, completions_continuation
 
 
 class Codec(ContinuationCodec):
     name = "sglang"
+    stop_reason_field = "matched_stop"
     _STRIP = re.compile(rb',"(?:prompt_token_ids|token_ids)":\[[0-9,\s]*\]')
 
     def unsupported_reason(self, kind: Kind, body: dict) -> str | None:
@@ -75,18 +76,6 @@ class Codec(ContinuationCodec):
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
             raise ValueError(f"/v1/tokenize answered without token ids: {str(obj)[:200]}")
         return ids
-
-    def parse_chunk(self, obj: dict) -> Delta:
-        if "error" in obj and "choices" not in obj:
-            return Delta(error=obj)
-        choices = obj.get("choices") or []
-        usage = obj.get("usage")
-        if not choices:
-            return Delta(usage=usage, usage_only=True)
-        c = choices[0]
-        return Delta(text=c.get("text") or "", token_ids=list(c.get("token_ids") or ()),
-                     finish_reason=c.get("finish_reason"), stop_reason=c.get("matched_stop"),
-                     logprobs=c.get("logprobs"), usage=usage)
 
     def output_text(self, tokenizer: Any, prompt_ids: list[int], body: dict) -> Any | None:
         from adapters.sglang.outtext import OutputText

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from adapters.codec import ContinuationCodec, Delta, Kind, completions_continuation
+from adapters.codec import ContinuationCodec, Kind, completions_continuation
 
 class Codec(ContinuationCodec):
     """vLLM >= 0.10.2 (`return_token_ids`)."""
@@ -67,18 +67,6 @@ class Codec(ContinuationCodec):
         req = completions_continuation(kind, body, prompt_ids, sent_ids, text_by_router,
                                        drop=("echo", "prompt_logprobs", "suffix"))
         return "/v1/completions", req
-
-    def parse_chunk(self, obj: dict) -> Delta:
-        if "error" in obj and "choices" not in obj:
-            return Delta(error=obj)
-        choices = obj.get("choices") or []
-        usage = obj.get("usage")
-        if not choices:
-            return Delta(usage=usage, usage_only=True)
-        c = choices[0]
-        return Delta(text=c.get("text") or "", token_ids=list(c.get("token_ids") or ()),
-                     finish_reason=c.get("finish_reason"), stop_reason=c.get("stop_reason"),
-                     logprobs=c.get("logprobs"), usage=usage)
 
     def detokenize_request(self, model: str, ids: list[int]) -> tuple[str, dict] | None:
         return "/detokenize", {"model": model, "tokens": list(ids)}
