@@ -31,6 +31,7 @@ from tokenizers import Tokenizer
 
 from adapters.reference import __version__
 from adapters.reference.model import KVCache, Llama
+from adapters.vllm.framing import completion_body
 from adapters.vllm.outtext import OutputText, TextParams
 
 log = logging.getLogger("reference")
@@ -388,21 +389,8 @@ class Server:
             out.append(st.token)
             text += st.text
             finish, stop_reason = st.finish_reason, st.stop_reason
-        usage = {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + len(out),
-                 "completion_tokens": len(out)}
-        if kind == "chat":
-            ch = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason,
-                  "token_ids": out if want_ids else None}
-            obj = {"id": rid, "object": "chat.completion", "created": created,
-                   "model": self.model, "choices": [ch], "usage": usage,
-                   "prompt_token_ids": prompt if want_ids else None}
-        else:
-            ch = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
-                  "stop_reason": stop_reason, "token_ids": out if want_ids else None,
-                  "prompt_token_ids": prompt if want_ids else None}
-            obj = {"id": rid, "object": "text_completion", "created": created,
-                   "model": self.model, "choices": [ch], "usage": usage}
+        obj = completion_body(kind, rid, created, self.model, prompt, out, text, finish,
+                              stop_reason, want_ids)
         return web.Response(text=_dumps(obj), content_type="application/json")
 
     async def _stream(self, request: web.Request, kind: str, body: dict, seq: Seq, rid: str,

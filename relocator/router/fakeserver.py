@@ -27,6 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
+from adapters.vllm.framing import completion_body
 from adapters.vllm.outtext import OutputText, TextParams
 
 EOS = 2
@@ -188,21 +189,8 @@ class FakeEngine:
         created = int(time.time())
         want_ids = body.get("return_token_ids") is True
         if not body.get("stream"):
-            usage = {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + len(out),
-                     "completion_tokens": len(out)}
-            if kind == "chat":
-                ch = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason,
-                      "token_ids": out if want_ids else None}
-                obj = {"id": rid, "object": "chat.completion", "created": created,
-                       "model": self.model, "choices": [ch], "usage": usage,
-                       "prompt_token_ids": prompt if want_ids else None}
-            else:
-                ch = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
-                      "stop_reason": stop_reason, "token_ids": out if want_ids else None,
-                      "prompt_token_ids": prompt if want_ids else None}
-                obj = {"id": rid, "object": "text_completion", "created": created,
-                       "model": self.model, "choices": [ch], "usage": usage}
+            obj = completion_body(kind, rid, created, self.model, prompt, out, text, finish,
+                                  stop_reason, want_ids)
             if k.token_delay_s:
                 await asyncio.sleep(k.token_delay_s * len(out))
             return web.Response(text=_dumps(obj), content_type="application/json")
