@@ -34,6 +34,7 @@ from relocator.router import sse
 from relocator.router.bench import _pct, _Proc, _wait_http
 from relocator.router.client import RouterControl
 from relocator.router.fakeserver import write_fake_tokenizer
+from relocator.waits import WaitTimeout, until_async
 
 MODEL = "fake"        # the load model: one fast fake
 MOVE_MODEL = "fakemove"  # the moving worker: fake A behind a MoveProxy, its copy fake B
@@ -137,12 +138,16 @@ async def move_under_load(url: str, headers: dict, control: str | None, mp: Move
                                      timeout=aiohttp.ClientTimeout(total=300)) as s:
         workers = [asyncio.ensure_future(worker(i, s)) for i in range(concurrency)]
         await asyncio.sleep(before_s)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # move while tokens flow from the source
-            seen = mp.forwarded
-            await asyncio.sleep(0.05)
-            if mp.forwarded - seen > 1000:
-                break
+        seen = [mp.forwarded]
+
+        def flowing() -> bool:  # over 1000 bytes from the source in the last 0.05 s
+            moved, seen[0] = mp.forwarded - seen[0], mp.forwarded
+            return moved > 1000
+
+        try:  # move while tokens flow from the source (after 30 s: anyway)
+            await until_async(flowing, 30, 0.05, what="tokens flowing from the source")
+        except WaitTimeout:
+            pass
         rc = RouterControl(control) if control else None
         try:
             t0 = time.monotonic()

@@ -24,6 +24,7 @@ from relocator.cell.cell import Cell
 from relocator.router import sse
 from relocator.snapshot import RestoreTarget, dump, restore, resume_source
 from relocator.tinymodel import ensure_tiny_model
+from relocator.waits import WaitTimeout, until_async
 from relocator.worker import default_spec, launch_worker, wait_ready
 
 Log = Callable[[str], None]
@@ -34,7 +35,7 @@ async def first_token_s(endpoint: str, model: str, started: float, deadline_s: f
     server accepts it (the clock keeps running while it is not up yet)."""
     body = {"model": model, "prompt": "the cluster node", "max_tokens": 4, "temperature": 0, "stream": True}
     async with aiohttp.ClientSession() as session:
-        while time.monotonic() - started < deadline_s:
+        async def token() -> float | None:
             try:
                 async with session.post(f"{endpoint}/v1/completions", json=body,
                                         timeout=aiohttp.ClientTimeout(total=30, sock_connect=0.5)) as resp:
@@ -44,8 +45,13 @@ async def first_token_s(endpoint: str, model: str, started: float, deadline_s: f
                                 return time.monotonic() - started
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
                 pass
-            await asyncio.sleep(0.02)
-    raise TimeoutError(f"no token from {endpoint} within {deadline_s:.0f}s")
+            return None
+
+        try:
+            return await until_async(token, deadline_s - (time.monotonic() - started), 0.02,
+                                     what=f"a token from {endpoint}")
+        except WaitTimeout:
+            raise TimeoutError(f"no token from {endpoint} within {deadline_s:.0f}s") from None
 
 
 def rss_bytes(cell: Cell) -> int:

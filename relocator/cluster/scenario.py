@@ -8,6 +8,7 @@ import time
 from typing import Any, Callable
 
 from relocator.cluster.streams import Load, Reference, reference
+from relocator.waits import until
 
 
 def relocate_under_load(ctl: Any, worker: str, to: str | None, model: str, *, concurrency: int = 8,
@@ -27,16 +28,17 @@ def relocate_under_load(ctl: Any, worker: str, to: str | None, model: str, *, co
     summary = ctl.relocate(worker, to=to, transfer=transfer, faults=faults, wait=False)
     rid = summary["id"]
     seen: set[str] = set()
-    while True:
+
+    def ended() -> bool:  # the relocation is over; each phase reported once as it ends
         rel = ctl.get_relocation(rid)
         for p in rel["phases"]:
             if p["name"] not in seen and p.get("ended") is not None and on_phase:
                 on_phase(p)
             if p.get("ended") is not None:
                 seen.add(p["name"])
-        if rel["result"] != "running":
-            break
-        time.sleep(0.1)
+        return rel["result"] != "running"
+
+    until(ended, None, 0.1, what=f"relocation {rid}")
     t1 = time.monotonic()
     time.sleep(1.0)  # a little traffic after the move too
     load.stop()

@@ -17,22 +17,22 @@ from typing import Any
 import aiohttp
 
 from relocator.ports import free_port
+from relocator.waits import until_async
 
 from . import sse
 
 
 async def _wait_http(url: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
+    """`url` answers below 500 within `timeout` s (WaitTimeout, a TimeoutError, otherwise)."""
     async with aiohttp.ClientSession() as s:
-        while time.monotonic() < deadline:
+        async def up() -> bool:
             try:
                 async with s.get(url, timeout=aiohttp.ClientTimeout(total=1)) as r:
-                    if r.status < 500:
-                        return
+                    return r.status < 500
             except Exception:
-                pass
-            await asyncio.sleep(0.1)
-    raise TimeoutError(f"{url} did not come up within {timeout:g}s")
+                return False
+
+        await until_async(up, timeout, 0.1, what=f"{url} to come up")
 
 
 def _pct(xs: list[float], p: float) -> float:

@@ -19,6 +19,7 @@ import aiohttp
 from aiohttp import web
 
 from relocator.choices import LogLevel
+from relocator.waits import WaitTimeout, until_async
 
 from . import auth, errors
 from .config import RouterSettings
@@ -213,26 +214,35 @@ class RouterServer:
                                                         for r in self._runners if r.server))
             self._state_seen = self._state_key()
             idle: dict[Any, tuple[int, float]] = {}
-            while time.monotonic() < self._drain_deadline:
-                self._follow_state()
-                now = time.monotonic()
-                conns = [h for r in self._runners if r.server is not None
-                         for h in r.server.connections]
-                if not conns:
-                    break
-                for h in conns:
-                    busy = h._request_in_progress or bool(h._messages)  # type: ignore[attr-defined]
-                    count = h._request_count  # type: ignore[attr-defined]
-                    seen = idle.get(h)
-                    if busy or seen is None or seen[0] != count:
-                        idle[h] = (count, now)
-                    elif now - seen[1] >= s.drain_idle_close_s:
-                        h.force_close()  # an idle keep-alive connection
-                idle = {h: v for h, v in idle.items() if h in conns}
-                await asyncio.sleep(0.1)
+            # no fixed timeout: a second drain() moves the deadline to now
+            await until_async(lambda: self._drain_step(idle), None, 0.1, what="the drain")
             log.warning("drained")
         finally:
             self._drained.set()
+
+    def _drain_step(self, idle: dict[Any, tuple[int, float]]) -> bool:
+        """One look at the open connections while draining: True when none is left or the
+        drain's time is up; idle keep-alive connections are closed (`idle`: each one's
+        request count and since when it has not changed)."""
+        if time.monotonic() >= self._drain_deadline:
+            return True
+        self._follow_state()
+        now = time.monotonic()
+        conns = [h for r in self._runners if r.server is not None
+                 for h in r.server.connections]
+        if not conns:
+            return True
+        for h in conns:
+            busy = h._request_in_progress or bool(h._messages)  # type: ignore[attr-defined]
+            count = h._request_count  # type: ignore[attr-defined]
+            seen = idle.get(h)
+            if busy or seen is None or seen[0] != count:
+                idle[h] = (count, now)
+            elif now - seen[1] >= self.settings.drain_idle_close_s:
+                h.force_close()  # an idle keep-alive connection
+        for h in [h for h in idle if h not in conns]:
+            del idle[h]
+        return False
 
     def _state_key(self) -> tuple | None:
         try:
@@ -289,19 +299,24 @@ class RouterServer:
         url = f"http://{host}:{self.control_port}{request.rel_url}"
         hdrs = {k: v for k, v in request.headers.items()
                 if k.lower() in ("authorization", "content-type")}
-        deadline = time.monotonic() + 10.0
-        while True:
+        refused: list[Exception] = []
+
+        async def forward() -> tuple[web.Response] | None:
             try:
                 async with self.upstream.session.request(request.method, url, data=body or None,
                                                          headers=hdrs) as r:
-                    out = web.Response(status=r.status, body=await r.read(),
-                                       content_type=r.content_type)
-                break
+                    # in a tuple: an empty web.Response is falsy (a mapping)
+                    return (web.Response(status=r.status, body=await r.read(),
+                                         content_type=r.content_type),)
             except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as e:
-                if time.monotonic() > deadline:
-                    raise RouterError(503, f"router restarting: {e}", code="router_restarting",
-                                      type="server_error") from None
-                await asyncio.sleep(0.05)
+                refused[:] = [e]
+                return None
+
+        try:
+            (out,) = await until_async(forward, 10.0, 0.05, what="the router's control API")
+        except WaitTimeout:
+            raise RouterError(503, f"router restarting: {refused[0] if refused else ''}",
+                              code="router_restarting", type="server_error") from None
         self._follow_state(force=True)
         return out
 

@@ -8,6 +8,8 @@ import asyncio
 import logging
 import time
 
+from relocator.waits import WaitTimeout, until_async
+
 from . import errors
 from .table import Replica, ReplicaState, RoutingTable, StreamHandle
 from .transport import Hooks, Probe
@@ -90,22 +92,31 @@ class Suspects:
         t = self.table
         deadline = time.monotonic() + self.hold_s
         outcome = "control"  # switched, released, held or removed through the control API
+        looked = False
+
+        async def over() -> bool:
+            nonlocal outcome, looked
+            if not t.is_suspect(r, epoch):
+                return True
+            if not looked:  # the first look is at once: the probes start an interval later
+                looked = True
+                return False
+            if not await self._healthy(r, epoch, deadline):
+                return False
+            n = t.end_suspect(r, epoch)
+            log.warning("worker %s healthy again: %d waiters released", r.worker_id, n)
+            outcome = "recovered"
+            return True
+
         try:
-            while t.is_suspect(r, epoch):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    n = t.end_suspect(r, epoch, errors.worker_unreachable(
-                        r.worker_id, self.hold_s))
-                    log.warning("worker %s still unreachable after %gs: %d waiters failed",
-                                r.worker_id, self.hold_s, n)
-                    outcome = "timeout"
-                    break
-                await asyncio.sleep(min(self.probe_interval_s, left))
-                if await self._healthy(r, epoch, deadline):
-                    n = t.end_suspect(r, epoch)
-                    log.warning("worker %s healthy again: %d waiters released", r.worker_id, n)
-                    outcome = "recovered"
-                    break
+            await until_async(over, self.hold_s, self.probe_interval_s,
+                              what=f"worker {r.worker_id} to be reachable")
+        except WaitTimeout:
+            if t.is_suspect(r, epoch):
+                n = t.end_suspect(r, epoch, errors.worker_unreachable(r.worker_id, self.hold_s))
+                log.warning("worker %s still unreachable after %gs: %d waiters failed",
+                            r.worker_id, self.hold_s, n)
+                outcome = "timeout"
         finally:
             self.hooks.suspect_end(r.worker_id, outcome)
 
