@@ -1,7 +1,7 @@
 """Bad input and abuse against the router and its control API: malformed bodies, huge headers,
 slow clients that trickle bytes, slow readers, idle connections and random disconnects.
 
-Measures the router process's open file descriptors and RSS (from /proc) before, and after
+Measures the router process's open file descriptors and RSS (psutil) before, and after
 each round; reports a crash (process gone or /health not answering), a leak (fds not back to
 baseline within a tolerance, RSS still growing in the last round), any 5xx the router itself
 gives to bad input, any case that hangs, and in-flight counts that do not return to zero.
@@ -16,20 +16,20 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
-import os
 import random
 import re
 import socket
 import struct
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
 import aiohttp
+import psutil
 
 from adapters.codec import CHAT_SAMPLING_KEYS
+from relocator.waits import WaitTimeout, until_async
 
 
 # ---- safety and process facts -------------------------------------------------------------
@@ -45,34 +45,13 @@ def loopback_target(url: str) -> tuple[str, int]:
 
 
 def listener_pid(port: int) -> int | None:
-    """PID of the process holding a listening TCP socket on `port` (from /proc)."""
-    inodes = set()
-    for f in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(f).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for ln in lines:
-            p = ln.split()
-            if len(p) > 9 and p[3] == "0A" and int(p[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(p[9])
-    if not inodes:
+    """PID of the process holding a listening TCP socket on `port` (psutil)."""
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError):
         return None
-    want = {f"socket:[{i}]" for i in inodes}
-    holders: list[int] = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            for fd in (d / "fd").iterdir():
-                try:
-                    if os.readlink(fd) in want:
-                        holders.append(int(d.name))
-                        break
-                except OSError:
-                    continue
-        except OSError:
-            continue
+    holders = sorted({c.pid for c in conns if c.status == psutil.CONN_LISTEN and c.laddr
+                      and c.laddr.port == port and c.pid is not None})
     if len(holders) > 1:
         # an inherited socket (the cluster daemon owns the router's listener and passes it to
         # the router child): the server is the holder whose parent also holds it
@@ -83,22 +62,20 @@ def listener_pid(port: int) -> int | None:
 
 def _ppid(pid: int) -> int | None:
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
+        return psutil.Process(pid).ppid()
+    except psutil.Error:
         return None
 
 
 def proc_stats(pid: int) -> dict[str, Any] | None:
+    """The open file descriptors and RSS of a live process; None: gone (or a zombie)."""
     try:
-        fds = len(os.listdir(f"/proc/{pid}/fd"))
-        st = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
+        p = psutil.Process(pid)
+        if p.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return None
+        return {"fds": p.num_fds(), "rss_mb": round(p.memory_info().rss / 2**20, 1)}
+    except psutil.Error:
         return None
-    state = re.search(r"^State:\s+(\S)", st, re.M)
-    if state and state.group(1) in ("Z", "X"):
-        return None
-    rss = re.search(r"^VmRSS:\s+(\d+) kB", st, re.M)
-    return {"fds": fds, "rss_mb": round(int(rss.group(1)) / 1024, 1) if rss else None}
 
 
 # ---- raw HTTP -----------------------------------------------------------------------------
@@ -654,17 +631,20 @@ async def _healthy(ctx: _Ctx) -> bool:
 
 async def _settle(ctx: _Ctx, pid: int | None, base_fds: int | None) -> dict[str, Any]:
     """Wait (bounded) until in-flight is 0 and fds are back near baseline; then measure."""
-    end = time.monotonic() + ctx.cfg.settle_s
-    infl = None
-    while True:
-        infl = await _in_flight(ctx)
-        st = proc_stats(pid) if pid else None
+    last: dict[str, Any] = {"in_flight": None, "st": None}
+
+    async def settled() -> bool:
+        last["in_flight"] = infl = await _in_flight(ctx)
+        last["st"] = st = proc_stats(pid) if pid else None
         fds_ok = st is None or base_fds is None or st["fds"] <= base_fds + ctx.cfg.fd_tolerance
-        if (infl == 0 and fds_ok) or time.monotonic() >= end:
-            break
-        await asyncio.sleep(0.25)
-    out: dict[str, Any] = dict(st or {})
-    out["in_flight"] = infl
+        return infl == 0 and fds_ok
+
+    try:
+        await until_async(settled, ctx.cfg.settle_s, 0.25, what="the router to settle")
+    except WaitTimeout:
+        pass  # measured as it is
+    out: dict[str, Any] = dict(last["st"] or {})
+    out["in_flight"] = last["in_flight"]
     return out
 
 
