@@ -159,3 +159,15 @@ def test_a_state_dir_too_deep_for_a_socket_address_means_tls_only(tmp_path: Path
     assert locallink.new_path() == ""  # the pump then listens on TCP only
     with pytest.raises(OSError, match="too deep"):
         locallink.UnixOffer(lambda _conn: None)  # the page receiver then offers TLS only
+
+
+def test_a_receiver_aborted_before_the_dump_connects_starts_no_page_server(tmp_path: Path, monkeypatch) -> None:
+    from relocator.agent import pagestream
+    from relocator.snapshot import criu
+
+    started: list[int] = []
+    monkeypatch.setattr(criu, "page_server_on", lambda _d, fd: started.append(fd))
+    rx = pagestream.PageReceiver(tmp_path / "img", "127.0.0.1")
+    rx.abort()
+    rx._take_unix(socket.socket(socket.AF_UNIX))  # the offer's thread, a moment too late
+    assert started == [] and rx.link == "tls"

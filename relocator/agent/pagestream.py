@@ -107,6 +107,8 @@ class PageReceiver:
         self.started_at = 0.0
         self.unix = None  # locallink.UnixOffer: the same-host route, when the dump takes it
         self.link = "tls"
+        self._swap = threading.Lock()  # the offer's thread swaps page servers; abort() must not miss one
+        self._aborted = False
 
     def start(self, hash_on_arrival: bool = True) -> "PageReceiver":
         from relocator.snapshot import criu
@@ -137,8 +139,11 @@ class PageReceiver:
     def _take_unix(self, conn) -> None:
         from relocator.snapshot import criu
 
-        tls, self.proc = self.proc, criu.page_server_on(self.image_dir, conn.fileno())
-        self.link = "unix"
+        with self._swap:
+            if self._aborted:
+                return
+            tls, self.proc = self.proc, criu.page_server_on(self.image_dir, conn.fileno())
+            self.link = "unix"
         tls.kill()
 
     def finish(self, timeout: float = 120.0) -> dict:
@@ -173,8 +178,10 @@ class PageReceiver:
     def abort(self) -> None:
         if self.unix is not None:
             self.unix.close()
-        if self.proc is not None:
-            self.proc.kill()
+        with self._swap:
+            self._aborted = True
+            if self.proc is not None:
+                self.proc.kill()
         if self.hasher is not None:
             self.hasher._done.set()
 
