@@ -266,3 +266,16 @@ def test_warm_start_restores_and_quarantines_a_corrupt_image(store: ImageStore, 
     with pytest.raises(ImageError, match="removed"):
         start.restore_warm(store, key)
     assert store.list() == []  # the next start of that kind is cold, then captured again
+
+
+def test_the_key_of_a_launch_is_the_key_of_the_cell_it_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from adapters.base import LaunchSpec
+    from relocator.worker import spec_to_dict
+
+    fp = _fingerprint()
+    monkeypatch.setattr(start, "host_fingerprint", lambda: fp.host)
+    monkeypatch.setattr(start, "engine_fingerprint_for", lambda _launch, _engine: fp.engine)
+    spec = LaunchSpec(model_dir=Path("/models/tiny"), served_model_name="tiny", port=8123, host="127.0.0.1")
+    cell = _FakeCell()
+    cell.launch = {**spec_to_dict(spec), "host": "0.0.0.0"}  # as launch_worker records it
+    assert start.key_for_launch(spec, "vllm") == capture_mod.key_of_cell(cell, fp)
