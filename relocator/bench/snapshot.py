@@ -2,9 +2,10 @@
 
 Measures, for the tiny vLLM CPU worker in a cell: new process to first generated token (cold
 start), the warm image captured between ready and the first request (CRIU leave-running) and a
-warm launch from it into a fresh cell to its first token, dump time and image size against the worker's resident memory, restore start to first
-generated token (checksums and fingerprint verified), and CRIU's restore throughput against a
-single-thread memcpy measured on this machine in the same run.
+warm launch from it into a fresh cell to its first token, dump time and image size against the
+worker's resident memory, restore start to first generated token (checksums and fingerprint
+verified), and CRIU's restore throughput against a single-thread memcpy measured on this
+machine in the same run.
 """
 
 from __future__ import annotations
