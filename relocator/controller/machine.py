@@ -257,6 +257,8 @@ class Machine:
         return {"reservation": rel.reservation, "gpus": w.gpus, "gpu_ids": rel.dst_gpu_ids}
 
     def _hold(self, rel: Relocation, w: WorkerRecord) -> dict:
+        if not transfers.strategy(rel.transfer).freezes_source:
+            return {"skipped": "the source serves on"}  # make-before-break: nothing is held
         self.backend.hold(w.id)
         return {}
 
@@ -290,10 +292,11 @@ class Machine:
 
     def _switch(self, rel: Relocation, w: WorkerRecord) -> dict:
         self.target_alive(rel, "before the switch")
+        mode = transfers.strategy(rel.transfer)
         last: Exception | None = None
         for attempt in range(self.switch_retries):
             try:
-                info = self.backend.switch(w.id, rel.dst_endpoint)
+                info = mode.switch(self, rel, w)
                 break
             except Exception as exc:  # noqa: BLE001
                 last = exc
@@ -303,7 +306,6 @@ class Machine:
         switched_at = time.time()
         self.target_alive(rel, "after the switch")
         w = self.store.worker(w.id) or w
-        mode = transfers.strategy(rel.transfer)
         mode.on_switch(self, rel, w)
         w.node, w.cell_id, w.endpoint, w.reservation = rel.dst, rel.dst_cell, rel.dst_endpoint, rel.reservation
         w.gpu_ids = list(rel.dst_gpu_ids)
@@ -359,7 +361,10 @@ class Machine:
             # never two live copies: the target copy goes before the source resumes
             undo.step("kill target copy", lambda: self.backend.kill(rel.dst, rel.dst_cell))
         source_ok = True
-        if failed_index >= I_DUMP:
+        frozen = rel.transfer not in transfers.STRATEGIES or transfers.strategy(rel.transfer).freezes_source
+        if not frozen and failed_index < I_SWITCH:
+            pass  # make-before-break: the source never stopped and the router still points at it
+        elif failed_index >= I_DUMP:
             source_ok = self._resume_source(rel, undo)
             if source_ok:
                 # streams cut during the freeze continue on the source; queued requests go there

@@ -26,15 +26,25 @@ def transfer_address() -> str:
     return "127.0.0.1"
 
 
+#: every mode's ops class, registered by its definition (ModeBase.__init_subclass__)
+OPS: list[type] = []
+
+
 class ModeBase:
-    """The parts of NodeAgent the mode ops use (NodeAgent inherits every mode's ops)."""
+    """The parts of NodeAgent the mode ops use (NodeAgent inherits every mode's ops). A
+    subclass defined in a module of this package is one mode's ops: it registers itself (OPS)."""
 
     images_dir: Path
     _receivers: dict[str, Any]  # stream: page servers by target image directory
     _lazy_dumps: dict[str, Any]  # postcopy: lazy dumps (their CRIU process) by cell
 
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if cls.__module__.startswith("relocator.agent.modes."):
+            OPS.append(cls)
+
     def _lock(self, cell_id: str) -> threading.Lock:  # NodeAgent's per-cell lock
         raise NotImplementedError
 
 
-__all__ = ["ModeBase", "transfer_address"]
+__all__ = ["ModeBase", "OPS", "transfer_address"]

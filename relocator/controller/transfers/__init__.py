@@ -1,25 +1,29 @@
 """The registry of transfer modes: one strategy per `TransferMode` (relocator.controller.transfers
-.base), and `auto` resolved here. A new mode is its strategy module, its agent side
-(relocator.agent.modes) and one line in STRATEGIES (docs/architecture.md, "Adding a transfer mode")."""
+.base), and `auto` resolved here. Every module of this package is imported below and its
+strategy registers itself by its `mode`: a new mode is its strategy module here, its agent side
+(relocator.agent.modes) and its name in `TransferMode` (docs/architecture.md, "Adding a transfer
+mode")."""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Any
 
 from relocator.controller.errors import RelocationError
 from relocator.controller.model import WorkerRecord
-from relocator.controller.transfers.base import Context, TransferStrategy
-from relocator.controller.transfers.postcopy import PostcopyTransfer, postcopy_problems
-from relocator.controller.transfers.shared import SharedTransfer
-from relocator.controller.transfers.stream import StreamTransfer
+from relocator.controller.transfers.base import REGISTRY, Context, TransferStrategy
 from relocator.vocab import TransferMode
 
-#: every mode but `auto`, in the order `auto` tries them (the first possible one wins)
-STRATEGIES: dict[TransferMode, TransferStrategy] = {s.mode: s for s in (
-    SharedTransfer(),
-    PostcopyTransfer(),
-    StreamTransfer(),
-)}
+for _m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+    importlib.import_module(f"{__name__}.{_m.name}")  # each registers its strategy
+
+from relocator.controller.transfers.postcopy import postcopy_problems  # noqa: E402 - registered above
+
+#: every mode but `auto`; `auto` tries those with an `auto_rank`, lowest first (the first possible wins)
+STRATEGIES: dict[TransferMode, TransferStrategy] = dict(REGISTRY)
+AUTO_ORDER: tuple[TransferStrategy, ...] = tuple(sorted(
+    (s for s in STRATEGIES.values() if s.auto_rank is not None), key=lambda s: s.auto_rank or 0))
 
 #: the agent calls of every mode, for the Ray backend (RayBackend inherits them)
 MODE_CALLS: tuple[type, ...] = tuple(s.calls for s in STRATEGIES.values() if s.calls is not None)
@@ -35,7 +39,7 @@ def strategy(mode: TransferMode | str) -> TransferStrategy:
 
 def choose(backend: Any, worker: WorkerRecord, dst: str, requested: TransferMode | str) -> tuple[TransferStrategy, str]:
     """The strategy for a move of `worker` to `dst` and why: `auto` takes the first mode of
-    STRATEGIES that is possible (shared when both see the image store, postcopy when both nodes'
+    AUTO_ORDER that is possible (shared when both see the image store, postcopy when both nodes'
     kernels and CRIU allow it, else stream); an explicit mode that cannot run is refused
     (PlanError) before anything moves."""
     requested = TransferMode(requested)
@@ -44,7 +48,7 @@ def choose(backend: Any, worker: WorkerRecord, dst: str, requested: TransferMode
         chosen.check(backend, worker, dst)
         return chosen, ""
     why: list[str] = []
-    for candidate in STRATEGIES.values():
+    for candidate in AUTO_ORDER:
         ok, reason = candidate.available(backend, worker, dst)
         why.append(reason)
         if ok:
@@ -52,4 +56,4 @@ def choose(backend: Any, worker: WorkerRecord, dst: str, requested: TransferMode
     raise RelocationError("no transfer mode can move the worker")  # pragma: no cover - stream always can
 
 
-__all__ = ["Context", "MODE_CALLS", "STRATEGIES", "TransferStrategy", "choose", "postcopy_problems", "strategy"]
+__all__ = ["AUTO_ORDER", "Context", "MODE_CALLS", "STRATEGIES", "TransferStrategy", "choose", "postcopy_problems", "strategy"]

@@ -19,22 +19,38 @@ class Context(Protocol):
     """What a strategy may use of the machine running it."""
 
     backend: Any  # relocator.controller.machine.Backend plus the mode's own calls
+    store: Any  # relocator.controller.store.Store: the worker records
     postcopy_timeout_s: float
 
     def save(self, rel: "Relocation") -> None: ...
     def target_alive(self, rel: "Relocation", when: str) -> None: ...
 
 
+#: every mode's strategy, registered by its class's definition (TransferStrategy.__init_subclass__)
+REGISTRY: dict[TransferMode, "TransferStrategy"] = {}
+
+
 class TransferStrategy:
-    """The defaults every mode shares; a mode overrides the phases it does differently."""
+    """The defaults every mode shares; a mode overrides the phases it does differently.
+    Defining a subclass with its own `mode` registers one instance of it (REGISTRY)."""
 
     mode: ClassVar[TransferMode]
+    #: `auto` tries the modes by this rank, lowest first; None: `auto` never picks the mode
+    auto_rank: ClassVar[int | None] = None
+    #: the mode freezes the source (HOLD, DUMP): False, the source serves on until SWITCH and a
+    #: failure before it only removes the target copy (no resume, no router call back)
+    freezes_source: ClassVar[bool] = True
     #: the image was hashed byte by byte on arrival: RESTORE needs no second pass over it
     verified_on_arrival: ClassVar[bool] = False
     #: the source's image stays readable after RELEASE (a lost worker restarts from it warm)
     keeps_image: ClassVar[bool] = False
     #: the mode's agent calls for the Ray backend (a mixin of RayBackend), if any
     calls: ClassVar[type | None] = None
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if "mode" in cls.__dict__:
+            REGISTRY[cls.mode] = cls()
 
     # -- PLAN ---------------------------------------------------------------------------------
     def available(self, backend: Any, worker: "WorkerRecord", dst: str) -> tuple[bool, str]:
@@ -63,6 +79,10 @@ class TransferStrategy:
                                    gpu_ids=rel.dst_gpu_ids or None)
 
     # -- SWITCH / RELEASE / rollback ----------------------------------------------------------
+    def switch(self, ctx: Context, rel: "Relocation", worker: "WorkerRecord") -> dict:
+        """Point the router's entry for the worker at the target (cutting its streams there)."""
+        return ctx.backend.switch(worker.id, rel.dst_endpoint)
+
     def on_switch(self, ctx: Context, rel: "Relocation", worker: "WorkerRecord") -> None:
         """The router points at the target; `worker` still records the source."""
 
@@ -78,4 +98,4 @@ class TransferStrategy:
         """The worker record points back at the source: restore what the mode changed on it."""
 
 
-__all__ = ["Context", "TransferStrategy"]
+__all__ = ["Context", "REGISTRY", "TransferStrategy"]

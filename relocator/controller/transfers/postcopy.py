@@ -69,6 +69,7 @@ def _local_route(info: dict) -> dict:
 
 class PostcopyTransfer(TransferStrategy):
     mode = TransferMode.POSTCOPY
+    auto_rank = 1
     verified_on_arrival = True
     calls = PostcopyCalls
 

@@ -29,6 +29,7 @@ class SharedCalls:
 
 class SharedTransfer(TransferStrategy):
     mode = TransferMode.SHARED
+    auto_rank = 0
     keeps_image = True
     calls = SharedCalls
 

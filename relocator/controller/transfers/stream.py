@@ -22,6 +22,7 @@ class StreamCalls:
 
 class StreamTransfer(TransferStrategy):
     mode = TransferMode.STREAM
+    auto_rank = 2
     verified_on_arrival = True
     calls = StreamCalls
 
