@@ -36,7 +36,7 @@ def _paths(worker: str | None = None) -> dict[str, str]:
     w = quote(worker or "", safe="")
     return {"replicas": "/control/replicas", "replica": f"/control/replicas/{w}",
             "hold": f"/control/workers/{w}/hold", "switch": f"/control/workers/{w}/switch",
-            "release": f"/control/workers/{w}/release"}
+            "release": f"/control/workers/{w}/release", "streams": f"/control/workers/{w}/streams"}
 
 
 class RouterControl:
@@ -132,9 +132,15 @@ class RouterControlSync:
     def hold(self, worker_id: str) -> dict:
         return self._call("POST", _paths(worker_id)["hold"])
 
-    def switch(self, worker_id: str, endpoint: str, release: bool = True) -> dict:
-        return self._call("POST", _paths(worker_id)["switch"],
-                          {"endpoint": endpoint, "release": release})
+    def switch(self, worker_id: str, endpoint: str, release: bool = True, keep_inexact: bool = False) -> dict:
+        body = {"endpoint": endpoint, "release": release}
+        if keep_inexact:
+            body["keep_inexact"] = True
+        return self._call("POST", _paths(worker_id)["switch"], body)
+
+    def streams(self, worker_id: str) -> list[dict]:
+        """The worker's streams in flight (prompt_ids, sent_ids, inexact)."""
+        return self._call("GET", _paths(worker_id)["streams"])["streams"]
 
     def release(self, worker_id: str) -> dict:
         return self._call("POST", _paths(worker_id)["release"])

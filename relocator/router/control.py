@@ -37,7 +37,8 @@ async def openai_errors(request: web.Request, handler):
 
 
 class ControlAPI:
-    """Handlers for the routing table of `rt`: list, add, remove, hold, switch, release. Every
+    """Handlers for the routing table of `rt`: list, add, remove, hold, switch, release, and a
+    worker's streams in flight. Every
     change is persisted (`rt.persist`)."""
 
     def __init__(self, rt: RouterRuntime) -> None:
@@ -54,6 +55,7 @@ class ControlAPI:
         a.router.add_post("/control/workers/{worker}/hold", self.hold)
         a.router.add_post("/control/workers/{worker}/switch", self.switch)
         a.router.add_post("/control/workers/{worker}/release", self.release)
+        a.router.add_get("/control/workers/{worker}/streams", self.streams)
         return a
 
     def host(self) -> str:
@@ -144,9 +146,18 @@ class ControlAPI:
         if not isinstance(release, bool):  # "false" must not read as true
             raise errors.bad_request(f"'release' must be true or false, not {release!r}.",
                                      param="release")
-        info = self.rt.table.switch(w, ep, release=release)
+        keep = b.get("keep_inexact", False)
+        if not isinstance(keep, bool):
+            raise errors.bad_request(f"'keep_inexact' must be true or false, not {keep!r}.",
+                                     param="keep_inexact")
+        info = self.rt.table.switch(w, ep, release=release, keep_inexact=keep)
         self.rt.persist()
         return web.json_response(info)
+
+    async def streams(self, request: web.Request) -> web.Response:
+        """The worker's streams in flight: prompt ids, ids sent, why a continuation would be
+        inexact (a handoff's warm-up prefills the target from them)."""
+        return web.json_response({"streams": self.rt.table.streams(self._worker(request))})
 
     async def release(self, request: web.Request) -> web.Response:
         info = self.rt.table.release(self._worker(request))

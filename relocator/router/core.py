@@ -231,6 +231,7 @@ class RouterCore:
         patience = Patience()
 
         async def send(r: Replica, handle: StreamHandle) -> UpstreamResponse:
+            handle.stream = st  # a handoff lists its progress (RoutingTable.streams)
             # the replica's engine frames the stream
             p, data = await self._first_request(st, r, model, path)
             return await self._open(r, handle, p, data)
@@ -364,6 +365,7 @@ class RouterCore:
         failed: list[str] = []
 
         async def send(r: Replica, handle: StreamHandle) -> UpstreamResponse:
+            handle.stream = st
             if outcome == "retry":
                 p, data = await self._first_request(st, r, model, path)
             else:

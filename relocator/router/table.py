@@ -8,7 +8,7 @@ import collections
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from . import errors
 from .policies import Policy, make_policy
@@ -29,6 +29,19 @@ class StreamHandle:
     worker_id: str
     abort: Callable[[], None] | None = None
     moved: bool = False
+    #: the request's StreamState (a stream's legs only): what a handoff warms up and keeps
+    stream: Any = None
+
+    def progress(self) -> dict | None:
+        """The stream's prompt ids, the ids sent so far and whether a continuation of it is
+        exact (docs/router.md "What a continuation keeps"); None: nothing to warm up."""
+        st = self.stream
+        prompt = st.prompt_ids if st is not None else None
+        if prompt is None:
+            return None
+        sent = st.sent_ids
+        return {"prompt_ids": prompt, "sent_ids": sent,
+                "inexact": st.leg_codec.inexact_reasons(st.kind, st.body, sent)}
 
     def cut(self) -> None:
         self.moved = True
@@ -219,18 +232,31 @@ class RoutingTable:
         r.suspect = False  # the control plane owns this hold now: no probe, no timer
         return r.info()
 
-    def switch(self, worker_id: str, endpoint: str, *, release: bool = True) -> dict:
+    def streams(self, worker_id: str) -> list[dict]:
+        """The progress of every stream in flight on the worker (StreamHandle.progress)."""
+        got = (h.progress() for h in list(self.get(worker_id).streams))
+        return [p for p in got if p is not None]
+
+    def switch(self, worker_id: str, endpoint: str, *, release: bool = True,
+               keep_inexact: bool = False) -> dict:
+        """`keep_inexact`: a stream whose continuation would not be exact is not cut: it ends
+        on the endpoint it has (a handoff's source, serving on for a window)."""
         r = self.get(worker_id)
         old = r.endpoint
         r.endpoint = endpoint.rstrip("/")
         r.suspect = False
         r.generation += 1
-        moved = 0
+        moved = kept = 0
         for s in list(r.streams):
+            p = s.progress() if keep_inexact else None
+            if p is not None and p["inexact"]:
+                kept += 1
+                continue
             moved += 1
             s.cut()
         info = r.info()
         info["moved_streams"] = moved
+        info["kept_streams"] = kept
         info["previous_endpoint"] = old
         if release:
             info["released"] = self._release(r)
