@@ -17,5 +17,8 @@ class TransferMode(Choice):
     # the worker restarts on the target before its memory has arrived: pages come from the
     # frozen source on demand and in the background; the source is released once all arrived
     POSTCOPY = "postcopy"
+    # make-before-break: a second copy starts on the target while the source serves on, is
+    # warmed up with the streams in flight (prefix cache), and the router switches to it
+    HANDOFF = "handoff"
     # shared when both nodes see the image store, postcopy when both kernels allow it, else stream
     AUTO = "auto"

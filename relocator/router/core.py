@@ -161,6 +161,7 @@ class RouterCore:
     # ---- upstream I/O with abort hooks ---------------------------------------------------
     async def _open(self, r: Replica, handle: StreamHandle, path: str,
                     body: bytes) -> UpstreamResponse:
+        handle.endpoint = r.endpoint
         task = asyncio.ensure_future(self.upstream.post(r.endpoint + path, body))
         handle.abort = task.cancel
         try:

@@ -31,6 +31,7 @@ class StreamHandle:
     moved: bool = False
     #: the request's StreamState (a stream's legs only): what a handoff warms up and keeps
     stream: Any = None
+    endpoint: str = ""  # where its upstream request went
 
     def progress(self) -> dict | None:
         """The stream's prompt ids, the ids sent so far and whether a continuation of it is
@@ -40,7 +41,7 @@ class StreamHandle:
         if prompt is None:
             return None
         sent = st.sent_ids
-        return {"prompt_ids": prompt, "sent_ids": sent,
+        return {"prompt_ids": prompt, "sent_ids": sent, "endpoint": self.endpoint,
                 "inexact": st.leg_codec.inexact_reasons(st.kind, st.body, sent)}
 
     def cut(self) -> None:

@@ -1,0 +1,146 @@
+"""`transfer: handoff` (make-before-break): the source is never frozen. RESTORE starts a second
+copy on the target (from a warm image of the worker's kind when the target's store has one, else
+cold: the agent's `launch`) while the source serves on, then warms it up: every stream in flight
+on the source (the router lists their prompt and sent ids) is prefilled on the target, in rounds
+while the source runs ahead, until each is within a few tokens. SWITCH points the router's entry
+at the target, cutting each stream at a token boundary (the router continues it there, token-
+and text-exact, its KV found in the prefix cache); streams whose continuation would be inexact
+(seeded sampling) stay on the source. RELEASE waits for those up to a window, then continues them
+anyway (the documented approximation), and stops the source. A failure before SWITCH only
+removes the target copy: the source served throughout (docs/handoff.md)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from relocator.controller.errors import PlanError
+from relocator.controller.transfers.base import Context, TransferStrategy
+from relocator.vocab import TransferMode
+from relocator.waits import settle
+
+if TYPE_CHECKING:
+    from relocator.controller.model import Relocation, WorkerRecord
+
+#: a stream within this many tokens of its last prefill needs no further round
+GAP_TOKENS = 4
+#: at most this many warm-up rounds (the source may outrun a slow target: switch anyway)
+MAX_ROUNDS = 6
+#: how long streams that cannot be continued exactly may finish on the source after SWITCH
+WINDOW_S = 30.0
+
+
+class HandoffCalls:
+    """The handoff's calls (RayBackend inherits them; relocator.agent.modes.handoff)."""
+
+    def start_copy(self, node: str, cell_id: str, worker: "WorkerRecord", gpu_ids: list[int] | None) -> dict:
+        """A second copy of `worker` on `node` (warm image of its kind, else cold)."""
+        return self.agents.launch(node, cell_id, worker.model_dir, worker.model,  # type: ignore[attr-defined]
+                                  engine=worker.engine, gpu_ids=gpu_ids)
+
+    def router_streams(self, worker_id: str) -> list[dict]:
+        return self._router(worker_id, lambda rc: rc.streams(worker_id))  # type: ignore[attr-defined]
+
+    def prefill(self, node: str, endpoint: str, model: str, sequences: list[list[int]]) -> dict:
+        return self.agents.call(node, lambda a: a.prefill.remote(endpoint, model, sequences),  # type: ignore[attr-defined]
+                                "prefill", timeout=300)
+
+    def handoff_switch(self, worker_id: str, endpoint: str, keep_inexact: bool = True) -> dict:
+        return self._router(worker_id, lambda rc: rc.switch(worker_id, endpoint,  # type: ignore[attr-defined]
+                                                            keep_inexact=keep_inexact), endpoint)
+
+
+class WarmUp:
+    """The warm-up's bookkeeping: how far each stream was prefilled on the target."""
+
+    def __init__(self) -> None:
+        self.prefilled: dict[tuple[int, ...], int] = {}  # prompt ids -> tokens prefilled
+        self.rounds = 0
+        self.prefix_hit_tokens = 0  # already in the target's cache when prefilled again
+        self.recomputed_tokens = 0  # prefilled anew
+
+    def due(self, streams: list[dict], gap: int = GAP_TOKENS) -> list[list[int]]:
+        """The sequences (prompt + sent) of the streams more than `gap` tokens ahead of their
+        last prefill; counts what their prefill will find cached and what it recomputes."""
+        out: list[list[int]] = []
+        for s in streams:
+            seq = list(s["prompt_ids"]) + list(s["sent_ids"])
+            key = tuple(s["prompt_ids"])
+            have = self.prefilled.get(key, 0)
+            if key in self.prefilled and len(seq) - have <= gap:
+                continue
+            self.prefix_hit_tokens += min(have, len(seq))
+            self.recomputed_tokens += max(0, len(seq) - have)
+            self.prefilled[key] = len(seq)
+            out.append(seq)
+        return out
+
+    def figures(self, seconds: float) -> dict[str, Any]:
+        return {"warmup_s": round(seconds, 4), "warmup_rounds": self.rounds, "warmed_streams": len(self.prefilled),
+                "prefix_hit_tokens": self.prefix_hit_tokens, "recomputed_tokens": self.recomputed_tokens}
+
+
+def warm_up(backend: Any, rel: "Relocation", worker: "WorkerRecord", rounds: int = MAX_ROUNDS) -> dict[str, Any]:
+    """Prefill the target with the source's streams in flight, round after round, until every
+    stream is within GAP_TOKENS of its last prefill (or `rounds` are done)."""
+    t0 = time.monotonic()
+    w = WarmUp()
+    while w.rounds < rounds:  # bounded by rounds, not a deadline
+        todo = w.due(backend.router_streams(worker.id))
+        if not todo:
+            break
+        w.rounds += 1
+        backend.prefill(rel.dst, rel.dst_endpoint, worker.model, todo)
+    return w.figures(time.monotonic() - t0)
+
+
+def on_source(backend: Any, rel: "Relocation") -> int:
+    """Streams still read from the source's endpoint (those kept at SWITCH)."""
+    return sum(1 for s in backend.router_streams(rel.worker) if s.get("endpoint") == rel.src_endpoint)
+
+
+class HandoffTransfer(TransferStrategy):
+    mode = TransferMode.HANDOFF
+    freezes_source = False
+    calls = HandoffCalls
+
+    def check(self, backend: Any, worker: "WorkerRecord", dst: str) -> None:
+        if not worker.model_dir:
+            raise PlanError(f"worker {worker.id} has no launch record (model_dir): a handoff starts a second copy")
+
+    def target_image(self, backend: Any, rel: "Relocation", worker: "WorkerRecord") -> tuple[str, str, str]:
+        rel.image_dir = ""  # nothing is dumped
+        return "", "none", "a second copy starts on the target: no image moves"
+
+    def dump(self, ctx: Context, rel: "Relocation") -> dict:
+        return {"skipped": "the source serves on", "source_frozen_s": 0.0}
+
+    def transfer(self, ctx: Context, rel: "Relocation") -> dict:
+        return {"skipped": "no image moves"}
+
+    def restore(self, ctx: Context, rel: "Relocation") -> dict:
+        worker = ctx.store.worker(rel.worker)
+        if worker is None:
+            raise PlanError(f"unknown worker {rel.worker!r}")
+        t0 = time.monotonic()
+        info = ctx.backend.start_copy(rel.dst, rel.dst_cell, worker, rel.dst_gpu_ids or None)
+        rel.dst_endpoint = info["endpoint"]
+        ctx.save(rel)  # a failure from here on kills the target copy (rollback)
+        start = {"start_s": round(time.monotonic() - t0, 4), "warm": bool(info.get("warm"))}
+        return {**info, **start, **warm_up(ctx.backend, rel, worker), "source_frozen_s": 0.0}
+
+    def switch(self, ctx: Context, rel: "Relocation", worker: "WorkerRecord") -> dict:
+        return ctx.backend.handoff_switch(worker.id, rel.dst_endpoint, keep_inexact=True)
+
+    def release(self, ctx: Context, rel: "Relocation") -> dict[str, Any]:
+        window = float(getattr(ctx, "handoff_window_s", WINDOW_S))  # the controller's config, if set
+        t0 = time.monotonic()
+        left = settle(lambda: on_source(ctx.backend, rel) == 0, window, every=0.5)
+        out: dict[str, Any] = {"window_s": round(time.monotonic() - t0, 4)}
+        if not left:  # past the window: continued on the target anyway (inexact, reported)
+            info = ctx.backend.handoff_switch(rel.worker, rel.dst_endpoint, keep_inexact=False)
+            out["continued_past_window"] = info.get("moved_streams", 0)
+        return out
+
+
+__all__ = ["GAP_TOKENS", "HandoffCalls", "HandoffTransfer", "MAX_ROUNDS", "WINDOW_S", "WarmUp", "warm_up"]

@@ -1,0 +1,130 @@
+"""`transfer: handoff` on the state machine with a fake backend: the source is never held,
+dumped or resumed; the target copy is warmed up in rounds from the router's streams; any
+failure before SWITCH only removes the target copy."""
+
+from __future__ import annotations
+
+import pytest
+
+from relocator.controller.machine import DONE, ROLLED_BACK, Machine
+from relocator.controller.model import Relocation, WorkerRecord
+from relocator.controller.store import Store
+from relocator.controller.transfers import AUTO_ORDER, STRATEGIES
+from relocator.controller.transfers.handoff import GAP_TOKENS, WarmUp
+from relocator.vocab import TransferMode
+from tests.test_controller_machine import FakeBackend
+
+
+class HandoffBackend(FakeBackend):
+    """The fake plus the handoff's calls: a router whose one stream runs ahead by `step`
+    tokens at every listing, and a target that records what it prefilled."""
+
+    def __init__(self, step: int = 30) -> None:
+        super().__init__()
+        self.sent: list[int] = []
+        self.step = step
+        self.prefilled: list[list[int]] = []
+        self.stay_on_source = 0  # streams the router kept on the source at SWITCH
+
+    def start_copy(self, node, cell, worker, gpu_ids):
+        self._call("start_copy", node, cell)
+        self.cells[(node, cell)] = "running"
+        return {"endpoint": f"http://{node}/{cell}", "cell_id": cell, "warm": True}
+
+    def router_streams(self, wid):
+        self._call("router_streams", wid)
+        if self.step:
+            self.sent.extend(range(len(self.sent), len(self.sent) + self.step))
+            self.step //= 3  # the target catches up: each round is shorter
+        now = self.router[wid]["endpoint"]  # exact streams follow the switch, kept ones stay
+        on = [{"prompt_ids": [1, 2, 3], "sent_ids": list(self.sent), "endpoint": now, "inexact": []}]
+        return on + [{"prompt_ids": [5], "sent_ids": [], "endpoint": "http://a", "inexact": ["seed"]}] \
+            * self.stay_on_source
+
+    def prefill(self, node, endpoint, model, sequences):
+        self._call("prefill", node, endpoint)
+        self.prefilled.extend(sequences)
+        return {"sequences": len(sequences)}
+
+    def handoff_switch(self, wid, endpoint, keep_inexact=True):
+        info = self.switch(wid, endpoint)
+        if not keep_inexact:
+            self.stay_on_source = 0
+        return info
+
+
+@pytest.fixture
+def env(tmp_path):
+    store = Store(tmp_path / "c.db")
+    store.save_worker(WorkerRecord(id="w1", model="m", node="n1", gpus=2, cell_id="c1", endpoint="http://a",
+                                   state="running", reservation="pg-w1", model_dir="/models/m"))
+    return store, HandoffBackend()
+
+
+def _run(store, be, **kw) -> Relocation:
+    return Machine(store, be).run(Relocation(id="r1", worker="w1", src="n1", dst="n2", transfer="handoff", **kw))
+
+
+def test_registered_but_never_chosen_by_auto() -> None:
+    assert TransferMode.HANDOFF in STRATEGIES
+    assert TransferMode.HANDOFF not in [s.mode for s in AUTO_ORDER]
+    assert not STRATEGIES[TransferMode.HANDOFF].freezes_source
+
+
+def test_handoff_moves_without_freezing_the_source(env) -> None:
+    store, be = env
+    rel = _run(store, be)
+    assert rel.result == DONE, rel.error
+    names = [c[0] for c in be.calls]
+    assert "hold" not in names and "dump" not in names and "resume" not in names and "restore" not in names
+    order = [n for n in names if n in ("reserve", "start_copy", "prefill", "switch", "kill", "free")]
+    assert order[:2] == ["reserve", "start_copy"] and order[-3:] == ["switch", "kill", "free"]
+    assert be.live() == [("n2", "w1-r1")]
+    assert be.router["w1"]["endpoint"] == "http://n2/w1-r1"
+    info = rel.phases[[p["name"] for p in rel.phases].index("RESTORE")]["info"]
+    assert info["source_frozen_s"] == 0.0 and info["warm"] is True
+    assert info["warmup_rounds"] >= 2  # the source ran ahead while the first round prefilled
+    # the last prefill is within a few tokens of what the source had sent
+    assert len([1, 2, 3] + be.sent) - len(be.prefilled[-1]) <= GAP_TOKENS
+    assert info["prefix_hit_tokens"] > 0 and info["recomputed_tokens"] == len(be.prefilled[-1])
+    w = store.worker("w1")
+    assert (w.node, w.cell_id, w.state) == ("n2", "w1-r1", "running")
+
+
+@pytest.mark.parametrize("failing", ["start_copy", "prefill", "router_streams"])
+def test_a_failure_before_the_switch_removes_only_the_target_copy(env, failing) -> None:
+    store, be = env
+    be.fail[failing] = RuntimeError(f"{failing} broke")
+    rel = _run(store, be)
+    assert rel.result == ROLLED_BACK
+    names = [c[0] for c in be.calls]
+    assert "switch" not in names and "resume" not in names and "hold" not in names and "release" not in names
+    assert be.live() == [("n1", "c1")]  # the source served throughout; no target copy left
+    assert be.router["w1"] == {"endpoint": "http://a", "held": False}
+    assert "relocator-w1-r1" not in be.reserved
+    w = store.worker("w1")
+    assert (w.node, w.cell_id, w.state) == ("n1", "c1", "running")
+
+
+def test_streams_kept_on_the_source_are_continued_past_the_window(env) -> None:
+    store, be = env
+    be.stay_on_source = 1
+    m = Machine(store, be)
+    m.handoff_window_s = 0.0  # type: ignore[attr-defined]  # the controller's config
+    rel = m.run(Relocation(id="r1", worker="w1", src="n1", dst="n2", transfer="handoff"))
+    assert rel.result == DONE, rel.error
+    info = rel.phases[-1]["info"]
+    assert info["continued_past_window"] == 2  # the fake's switch says 2 moved
+    assert be.stay_on_source == 0 and be.live() == [("n2", "w1-r1")]
+
+
+def test_warm_up_bookkeeping_counts_hits_and_recomputed_tokens() -> None:
+    w = WarmUp()
+    s = {"prompt_ids": [1, 2], "sent_ids": [3, 4, 5, 6, 7, 8]}
+    assert w.due([s]) == [[1, 2, 3, 4, 5, 6, 7, 8]]
+    assert (w.prefix_hit_tokens, w.recomputed_tokens) == (0, 8)
+    s["sent_ids"] += [9, 10]  # 2 ahead: within the gap
+    assert w.due([s], gap=4) == []
+    s["sent_ids"] += [11, 12, 13]
+    assert w.due([s], gap=4) == [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
+    assert (w.prefix_hit_tokens, w.recomputed_tokens) == (8, 13)
