@@ -21,7 +21,7 @@ from relocator.cli import _register, app
 runner = CliRunner()
 _register()
 
-TRANSFER = ("shared", "stream", "postcopy", "auto")
+TRANSFER = ("shared", "stream", "postcopy", "handoff", "auto")
 PLACEMENT = ("random", "best-fit", "dot-product", "fgd")
 
 
@@ -41,7 +41,7 @@ def test_bench_relocation_transfer(monkeypatch) -> None:
     import relocator.cli.bench_relocation as mod
 
     monkeypatch.setattr(mod, "run_bench", lambda *a, **k: pytest.fail("the benchmark ran"))
-    line = _refused(["bench", "relocation", "--transfer", "precopy", "--json"], "--transfer", TRANSFER)
+    line = _refused(["bench", "relocation", "--transfer", "precopy", "--json"], "--transfer", (*TRANSFER, "all"))
     assert "'precopy'" in line
 
 
@@ -187,7 +187,7 @@ def test_cluster_config_refuses_unknown_policy_transfer_and_keys(tmp_path, monke
         LocalConfig.load(f)
     assert "controller.policy" in str(e.value) and all(p in str(e.value) for p in PLACEMENT)
     f.write_text("controller: {transfer: precopy}\n")
-    with pytest.raises(ValidationError, match="'shared', 'stream', 'postcopy' or 'auto'"):
+    with pytest.raises(ValidationError, match="'shared', 'stream', 'postcopy', 'handoff' or 'auto'"):
         LocalConfig.load(f)
     f.write_text("controller: {polcy: fgd}\n")  # a misspelled key is no default either
     with pytest.raises(ValidationError, match="polcy"):
@@ -236,14 +236,14 @@ def _controller(tmp_path):
 
 def test_controller_refuses_unknown_transfer_and_faults(tmp_path) -> None:
     c = _controller(tmp_path)
-    with pytest.raises(ValueError, match="unknown transfer mode 'precopy'; valid: shared, stream, postcopy, auto"):
+    with pytest.raises(ValueError, match="unknown transfer mode 'precopy'; valid: shared, stream, postcopy, handoff, auto"):
         c.relocate("w1", "n2", transfer="precopy")
     with pytest.raises(ValueError, match="unknown fault 'dmp'; valid: dump, transfer, restore"):
         c.relocate("w1", "n2", faults={"dmp": True})
     with pytest.raises(ValueError, match="'crash' needs"):
         c.relocate("w1", "n2", faults={"crash": {"phase": "DUMPP"}})
     assert not c.claims.busy and not list(c.store.open_relocations())  # nothing held, nothing recorded
-    with pytest.raises(ValueError, match="valid: shared, stream, postcopy, auto"):
+    with pytest.raises(ValueError, match="valid: shared, stream, postcopy, handoff, auto"):
         c.drain("n1", transfer="rsync")
 
 
@@ -271,7 +271,7 @@ def test_machine_refuses_unknown_transfer_before_touching_anything(tmp_path) -> 
     from relocator.controller.store import Store
     from tests.test_controller_machine import FakeBackend
 
-    with pytest.raises(ValueError, match="valid: shared, stream, postcopy, auto"):
+    with pytest.raises(ValueError, match="valid: shared, stream, postcopy, handoff, auto"):
         Relocation(id="r0", worker="w1", src="n1", transfer="precopy")
     store, be = Store(tmp_path / "db"), FakeBackend()
     store.save_worker(WorkerRecord(id="w1", model="m", node="n1", gpus=1, cell_id="c1",

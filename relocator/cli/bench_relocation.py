@@ -13,16 +13,26 @@ import typer
 from adapters.base import DEFAULT_ENGINE, Engine
 from relocator.cli import bench_app
 from relocator.cli.common import console, handle_errors, print_json
+from relocator.choices import registry_choice
 from relocator.vocab import TransferMode
 
 MODEL = "tiny-llama"
 
 
-def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode = TransferMode.SHARED,
+#: what `--transfer all` runs, back to back on one cluster and one worker (auto is one of them)
+ALL_MODES = ("shared", "stream", "postcopy", "handoff")
+#: the phases a freezing mode keeps the source stopped through (until the target serves)
+FROZEN_PHASES = ("DUMP", "TRANSFER", "RESTORE", "SWITCH")
+#: --transfer: a mode, or all of them
+BenchTransfer = registry_choice("BenchTransfer", (*TransferMode.values(), "all"), __name__)
+
+
+def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode | str = TransferMode.SHARED,
               base_dir: str = "/var/lib/relocator/bench", engine: str = DEFAULT_ENGINE, emulate_hosts: int = 0,
               kv_pool_mb: int = 0) -> dict:
+    """One move in `transfer` mode (or, with "all", one move in each of ALL_MODES back and forth
+    between the same two nodes, same worker and load: {"runs": [...], "handoff_vs_best_freeze"})."""
     import relocator
-    from relocator.cluster.scenario import relocate_under_load
     from relocator.cluster.streams import first_token_s
 
     # a KV pool of that size, every page of it touched (in the image): the agents read it when
@@ -40,27 +50,59 @@ def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode = 
     else:
         ctl = relocator.start(nodes=2, gpus_per_node=4, base_dir=base_dir)
         src, dst = "n1", "n2"
+    name = str(transfer.value if isinstance(transfer, TransferMode) else transfer)
+    modes = ALL_MODES if name == "all" else (name,)
+    runs = []
     try:
         t = time.monotonic()
         w = ctl.launch(MODEL, 2, src, engine=engine)
         ttft = first_token_s(ctl.router_url, MODEL)
         cold = time.monotonic() - t
-        res = relocate_under_load(ctl, w["id"], dst, MODEL, concurrency=streams, max_tokens=max_tokens,
-                                  transfer=transfer)
-        full = ctl.get_relocation(res["relocation"]["id"]) or {}
+        for mode in modes:
+            runs.append(_measure(ctl, w["id"], dst, mode, streams, max_tokens))
+            src, dst = dst, src  # the next mode moves it back
     finally:
         ctl.down()
         if prev_pool is None:
             os.environ.pop("RELOCATOR_KV_POOL_MB", None)
         else:
             os.environ["RELOCATOR_KV_POOL_MB"] = prev_pool
+    common = {"cold_start_to_first_token_s": round(cold, 3), "cold_start_ready_s": w["launch_s"],
+              "cold_start_ttft_s": round(ttft, 4), "kv_pool_mb": kv_pool_mb or None, "streams": streams,
+              "max_tokens": max_tokens, "engine": engine}
+    for r in runs:
+        r["blackout_pct_of_cold_start"] = round(100 * r["blackout_max_s"] / cold, 1) if cold else None
+    if emulate_hosts:
+        common.update({"emulated_hosts": emulate_hosts, "moved": f"{src} -> {dst}"})
+    if len(runs) == 1:
+        return {**common, **runs[0]}
+    return {**common, "runs": runs, "handoff_vs_best_freeze": compare(runs)}
+
+
+def compare(runs: list[dict]) -> dict:
+    """The handoff's blackout next to the best freezing mode's of the same run."""
+    freeze = [r for r in runs if r["transfer"] != "handoff" and r["result"] == "done"]
+    hand = next((r for r in runs if r["transfer"] == "handoff"), None)
+    if not freeze or hand is None:
+        return {}
+    best = min(freeze, key=lambda r: r["blackout_max_s"])
+    h = hand["blackout_max_s"]
+    return {"handoff_blackout_s": h, "best_freeze_mode": best["transfer"], "best_freeze_blackout_s": best["blackout_max_s"],
+            "times_lower": round(best["blackout_max_s"] / h, 1) if h > 0 else None}
+
+
+def _measure(ctl, wid: str, dst: str, transfer: str, streams: int, max_tokens: int) -> dict:
+    """One move of `wid` to `dst` under `streams` greedy clients: the bench's figures."""
+    from relocator.cluster.scenario import relocate_under_load
+
+    res = relocate_under_load(ctl, wid, dst, MODEL, concurrency=streams, max_tokens=max_tokens, transfer=transfer)
+    full = ctl.get_relocation(res["relocation"]["id"]) or {}
     rel, load = res["relocation"], res["load"]
     pc = rel.get("postcopy") or {}
-    out = {
-        "cold_start_to_first_token_s": round(cold, 3),
-        "cold_start_ready_s": w["launch_s"], "cold_start_ttft_s": round(ttft, 4),
+    restore = next((p.get("info") or {} for p in full.get("phases", []) if p["name"] == "RESTORE"), {})
+    frozen = 0.0 if rel["transfer"] == "handoff" else sum(v for k, v in rel["phases"].items() if k in FROZEN_PHASES)
+    return {
         "blackout_max_s": load["blackout_max_s"],
-        "blackout_pct_of_cold_start": round(100 * load["blackout_max_s"] / cold, 1) if cold else None,
         "phases": rel["phases"], "relocation_total_s": round(sum(rel["phases"].values()), 3),
         "image_bytes": rel["image_bytes"], "transfer": rel["transfer"],
         # post-copy: memory that arrived after the router switched, and how long the target
@@ -68,18 +110,19 @@ def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode = 
         "pages_after_switch_bytes": pc.get("pages_after_switch_bytes", 0), "postcopy_s": pc.get("postcopy_s"),
         # of the memory, what came by the source's push channel rather than by request
         "pushed_bytes": pc.get("pushed_bytes", 0),
-        "kv_pool_mb": kv_pool_mb or None,
+        # handoff: the target's warm-up (0 / None for the freezing modes); how long the source
+        # was stopped (the freezing modes: DUMP to SWITCH)
+        "warmup_s": restore.get("warmup_s"), "warmup_rounds": restore.get("warmup_rounds", 0),
+        "prefix_hit_tokens": restore.get("prefix_hit_tokens", 0),
+        "recomputed_tokens": restore.get("recomputed_tokens", 0), "source_frozen_s": round(frozen, 4),
+        "target_start_s": restore.get("start_s"), "target_warm_start": restore.get("warm"),
         "phase_info": _phase_info(full),
         "tokens_lost": load["tokens_lost"], "tokens_duplicated": load["tokens_duplicated"],
         "tokens_mismatched": load["tokens_mismatched"], "text_mismatched": load["text_mismatched"],
         "client_errors": load["client_errors"],
-        "streams": streams, "max_tokens": max_tokens, "requests": load["requests"], "tokens": load["tokens"],
+        "requests": load["requests"], "tokens": load["tokens"],
         "result": rel["result"], "client_max_gap_s": [c["max_gap_s"] for c in load["clients"]],
-        "engine": engine,
     }
-    if emulate_hosts:
-        out.update({"emulated_hosts": emulate_hosts, "moved": f"{src} -> {dst}"})
-    return out
 
 
 def _phase_info(rel: dict) -> dict:
@@ -100,9 +143,11 @@ def _phase_info(rel: dict) -> dict:
 def bench_relocation(json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
                      streams: int = typer.Option(8, help="concurrent greedy streams"),
                      max_tokens: int = typer.Option(256, help="tokens per request"),
-                     transfer: TransferMode = typer.Option(
-                         TransferMode.SHARED, help="shared: one image store; stream: memory through a page server "
-                         "on the target, checksummed; postcopy: restore first, memory on demand; auto: the best possible"),
+                     transfer: BenchTransfer = typer.Option(  # type: ignore[valid-type]
+                         BenchTransfer("shared"), help="shared: one image store; stream: memory through a page server "
+                         "on the target, checksummed; postcopy: restore first, memory on demand; handoff: a second "
+                         "copy warmed up while the source serves (make-before-break); auto: the best possible; "
+                         "all: shared, stream, postcopy and handoff back to back on one cluster and load"),
                      kv_pool_mb: int = typer.Option(0, "--kv-pool-mb", min=0,
                                                     help="a KV pool of N MB with every page touched (0: vLLM's, "
                                                     "untouched pages left out of the image)"),
@@ -112,7 +157,7 @@ def bench_relocation(json_out: bool = typer.Option(False, "--json", help="print 
                                                        help="on N emulated hosts (own network and mount "
                                                        "namespaces, nothing shared; 3 or more), not the local cluster")) -> None:
     """Blackout, phases and token check of one live relocation vs a cold start."""
-    out = run_bench(streams, max_tokens, transfer, cluster_dir, engine.value, emulate_hosts, kv_pool_mb)
+    out = run_bench(streams, max_tokens, transfer.value, cluster_dir, engine.value, emulate_hosts, kv_pool_mb)
     if json_out:
         print_json(out)
         return
