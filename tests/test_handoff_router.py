@@ -57,3 +57,42 @@ def test_plain_switch_still_cuts_every_stream():
     info = t.switch("w", "http://dst")
     assert info["moved_streams"] == 2 and info["kept_streams"] == 0
     assert a.moved and b.moved
+
+
+# --- over HTTP, against the fake vLLM-framed engine (tests/test_router_http.py's env) -------------
+import asyncio  # noqa: E402
+
+import pytest  # noqa: E402
+
+from relocator.router.client import ControlError, RouterControl  # noqa: E402
+from tests.test_router_http import env, sse  # noqa: E402,F401 - the fixture and its reader
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_handoff_switch_continues_a_live_stream_token_exact(env):  # noqa: F811
+    srv, fakes, s = env
+    base = {"model": "fake", "max_tokens": 20, "stream": True, "prompt": "abc", "return_token_ids": True}
+    _, ref = await sse(s, fakes[1][1] + "/v1/completions", base)
+    ref_ids = [t for c in ref if c["choices"] for t in c["choices"][0].get("token_ids") or []]
+    rc = RouterControl(srv.control_url)
+    fakes[0][0].knobs.stall_after = 7
+    task = asyncio.create_task(sse(s, srv.url + "/v1/completions", base))
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if fakes[0][0]._stalls:
+            break
+    [st] = await rc.streams("w1")  # what the warm-up prefills
+    assert st["prompt_ids"] and st["sent_ids"] == ref_ids[:7] and st["inexact"] == []
+    assert st["endpoint"] == fakes[0][1].rstrip("/")
+    info = await rc.switch("w1", fakes[1][1], keep_inexact=True)  # no hold first
+    assert (info["moved_streams"], info["kept_streams"]) == (1, 0)
+    _, got = await task
+    fakes[0][0].unstall()
+    assert [t for c in got if c["choices"] for t in c["choices"][0].get("token_ids") or []] == ref_ids
+    with pytest.raises(ControlError) as ei:
+        await rc._call("POST", "/control/workers/w1/switch", {"endpoint": fakes[0][1], "keep_inexact": "yes"})
+    assert ei.value.status == 400 and ei.value.body["error"]["param"] == "keep_inexact"
+    with pytest.raises(ControlError) as ei:
+        await rc.streams("ghost")
+    assert ei.value.status == 404
+    await rc.close()

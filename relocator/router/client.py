@@ -85,9 +85,15 @@ class RouterControl:
     async def hold(self, worker_id: str) -> dict:
         return await self._call("POST", _paths(worker_id)["hold"])
 
-    async def switch(self, worker_id: str, endpoint: str, release: bool = True) -> dict:
-        return await self._call("POST", _paths(worker_id)["switch"],
-                                {"endpoint": endpoint, "release": release})
+    async def switch(self, worker_id: str, endpoint: str, release: bool = True,
+                     keep_inexact: bool = False) -> dict:
+        body = {"endpoint": endpoint, "release": release}
+        if keep_inexact:
+            body["keep_inexact"] = True
+        return await self._call("POST", _paths(worker_id)["switch"], body)
+
+    async def streams(self, worker_id: str) -> list[dict]:
+        return (await self._call("GET", _paths(worker_id)["streams"]))["streams"]
 
     async def release(self, worker_id: str) -> dict:
         return await self._call("POST", _paths(worker_id)["release"])

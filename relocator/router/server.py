@@ -109,9 +109,9 @@ class _WatchedTable(RoutingTable):
                 cs.pause.gone(cs)
                 cs.pause = None
 
-    def switch(self, worker_id: str, endpoint: str, *, release: bool = True) -> dict:
+    def switch(self, worker_id: str, endpoint: str, *, release: bool = True, keep_inexact: bool = False) -> dict:
         self.on_switch(worker_id)
-        return super().switch(worker_id, endpoint, release=release)
+        return super().switch(worker_id, endpoint, release=release, keep_inexact=keep_inexact)
 
 
 class RouterServer:
