@@ -128,3 +128,12 @@ def test_warm_up_bookkeeping_counts_hits_and_recomputed_tokens() -> None:
     s["sent_ids"] += [11, 12, 13]
     assert w.due([s], gap=4) == [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
     assert (w.prefix_hit_tokens, w.recomputed_tokens) == (8, 13)
+
+
+def test_the_engines_cached_token_count_is_read_when_it_says_it() -> None:
+    from relocator.agent.modes.handoff import cached_tokens, prefill_body
+
+    assert cached_tokens(b'{"usage": {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 8}}}') == 8
+    assert cached_tokens(b'{"usage": {"prompt_tokens": 9}}') == 0
+    assert cached_tokens(b"not json") == 0
+    assert prefill_body("m", [1, 2])["max_tokens"] == 1

@@ -114,7 +114,8 @@ def _measure(ctl, wid: str, dst: str, transfer: str, streams: int, max_tokens: i
         # was stopped (the freezing modes: DUMP to SWITCH)
         "warmup_s": restore.get("warmup_s"), "warmup_rounds": restore.get("warmup_rounds", 0),
         "prefix_hit_tokens": restore.get("prefix_hit_tokens", 0),
-        "recomputed_tokens": restore.get("recomputed_tokens", 0), "source_frozen_s": round(frozen, 4),
+        "recomputed_tokens": restore.get("recomputed_tokens", 0),
+        "engine_cached_tokens": restore.get("engine_cached_tokens", 0), "source_frozen_s": round(frozen, 4),
         "target_start_s": restore.get("start_s"), "target_warm_start": restore.get("warm"),
         "phase_info": _phase_info(full),
         "tokens_lost": load["tokens_lost"], "tokens_duplicated": load["tokens_duplicated"],

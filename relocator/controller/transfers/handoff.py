@@ -58,6 +58,7 @@ class WarmUp:
         self.rounds = 0
         self.prefix_hit_tokens = 0  # already in the target's cache when prefilled again
         self.recomputed_tokens = 0  # prefilled anew
+        self.engine_cached_tokens = 0  # what the target's engine said it found cached
 
     def due(self, streams: list[dict], gap: int = GAP_TOKENS) -> list[list[int]]:
         """The sequences (prompt + sent) of the streams more than `gap` tokens ahead of their
@@ -77,7 +78,8 @@ class WarmUp:
 
     def figures(self, seconds: float) -> dict[str, Any]:
         return {"warmup_s": round(seconds, 4), "warmup_rounds": self.rounds, "warmed_streams": len(self.prefilled),
-                "prefix_hit_tokens": self.prefix_hit_tokens, "recomputed_tokens": self.recomputed_tokens}
+                "prefix_hit_tokens": self.prefix_hit_tokens, "recomputed_tokens": self.recomputed_tokens,
+                "engine_cached_tokens": self.engine_cached_tokens}
 
 
 def warm_up(backend: Any, rel: "Relocation", worker: "WorkerRecord", rounds: int = MAX_ROUNDS) -> dict[str, Any]:
@@ -90,7 +92,8 @@ def warm_up(backend: Any, rel: "Relocation", worker: "WorkerRecord", rounds: int
         if not todo:
             break
         w.rounds += 1
-        backend.prefill(rel.dst, rel.dst_endpoint, worker.model, todo)
+        got = backend.prefill(rel.dst, rel.dst_endpoint, worker.model, todo)
+        w.engine_cached_tokens += int(got.get("cached_tokens") or 0)
     return w.figures(time.monotonic() - t0)
 
 
