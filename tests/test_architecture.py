@@ -1,5 +1,7 @@
 """The layout's rules, read from the source (issue 27): no import circle, no module over 500
-lines, no function over 80 lines, no getattr dispatch on built names.
+lines, no function over 80 lines, no getattr dispatch on built names, no /proc named outside
+relocator/procs.py (and its reasoned exceptions), no hand-written deadline loop outside
+relocator/waits.py (and the stdlib-only corner that runs under `python -S`).
 
 The walker reports module-level imports (`top_imports`, run when the module loads) and
 function-level ones (`lazy_imports`, run when the function does) apart. The circle test counts
@@ -276,3 +278,85 @@ def test_the_three_nevers():
     traffic = _under(_outside_deps("relocator.snapshot"), "relocator.router", "relocator.gateways",
                      "loadtests", "relocator.chaos", "relocator.bench")
     assert not traffic, sorted(traffic)
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    """ids of the docstring constants of a module and its classes and functions."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                out.add(id(body[0].value))
+    return out
+
+
+def proc_strings(mods: dict[str, Module]) -> dict[str, list[int]]:
+    """Modules whose code (not docstrings) holds a string naming /proc, with the lines."""
+    out: dict[str, list[int]] = {}
+    for mod in mods.values():
+        docs = _docstrings(mod.tree)
+        for node in ast.walk(mod.tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and "/proc" in node.value and id(node) not in docs):
+                out.setdefault(mod.name, []).append(node.lineno)
+    return out
+
+
+#: where /proc may still be named outside relocator.procs, and why
+PROC_EXCEPTIONS = {
+    "relocator.procs": "the process module itself",
+    "relocator.cell.init": "a cell's PID 1: its own fd links and host pid, before the cell's /proc exists",
+    "relocator.cell.devices": "/proc/driver/nvidia, the driver's files a GPU cell is given",
+    "relocator.preflight": "checks that /proc/self/map_files is readable (CRIU needs it)",
+    "relocator.agent.pump": "stdlib-only corner (runs under python -S, no psutil)",
+    "relocator.agent.postcopy.base": "stdlib-only corner (the keeper's, runs under python -S)",
+    # its owner's change is in flight; procs.ns_inode("net", pid) is the replacement
+    "relocator.warm.capture": "pending: the net namespace inode of a warm capture",
+}
+
+
+def test_no_proc_reading_outside_the_process_module():
+    hits = {m: lines for m, lines in proc_strings(MODS).items() if m not in PROC_EXCEPTIONS}
+    assert not hits, "/proc named outside relocator.procs (use it, or add a reasoned exception):\n" + (
+        "\n".join(f"{m}: lines {lines}" for m, lines in sorted(hits.items())))
+    assert set(PROC_EXCEPTIONS) - set(proc_strings(MODS)) <= {"relocator.warm.capture"}, \
+        "an exception no longer needed: drop it"
+
+
+def _reads_clock(node: ast.AST) -> bool:
+    return any(isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+               and c.func.attr in ("monotonic", "time") and isinstance(c.func.value, ast.Name)
+               and c.func.value.id == "time" for c in ast.walk(node))
+
+
+def _sleeps(body: list[ast.stmt]) -> bool:
+    def name(f: ast.expr) -> str | None:
+        return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+    return any(isinstance(c, ast.Call) and name(c.func) == "sleep" for s in body for c in ast.walk(s))
+
+
+def deadline_loops(mods: dict[str, Module]) -> list[str]:
+    """`while <reads time.monotonic()/time.time()>:` loops whose body sleeps."""
+    return sorted(f"{mod.name}:{node.lineno}" for mod in mods.values() for node in ast.walk(mod.tree)
+                  if isinstance(node, ast.While) and _reads_clock(node.test) and _sleeps(node.body))
+
+
+#: the stdlib-only corner (python -S: no tenacity) keeps its own small loops
+LOOP_EXCEPTIONS = ("relocator.waits", "relocator.agent.postcopy.keeper", "relocator.agent.pump",
+                   "relocator.agent.postcopy.base")
+
+
+def test_no_hand_written_deadline_loop_outside_the_wait_helper():
+    loops = [h for h in deadline_loops(MODS) if h.split(":")[0] not in LOOP_EXCEPTIONS]
+    assert not loops, "deadline loops (use relocator.waits):\n" + "\n".join(loops)
+
+
+def test_the_scanners_find_what_they_look_for():
+    """The two scanners on a made-up module: a docstring mention is not a read, a loop is found."""
+    src = ('"""reads /proc"""\nimport time\ndef f():\n    """/proc here too"""\n'
+           '    open("/proc/meminfo")\n    t = time.monotonic() + 1\n'
+           '    while time.monotonic() < t:\n        time.sleep(0.1)\n')
+    mod = Module("fake", Path("fake.py"), ast.parse(src), src.count("\n"))
+    assert proc_strings({"fake": mod}) == {"fake": [5]}
+    assert deadline_loops({"fake": mod}) == ["fake:7"]

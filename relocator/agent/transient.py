@@ -17,6 +17,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from relocator import procs
 from relocator.choices import Choice
 
 DEFAULT_ROOT = "/dev/shm/relocator"
@@ -114,37 +115,13 @@ def _existing(path: Path) -> Path:
     return path
 
 
-def _unescape(field: str) -> str:
-    # /proc/self/mounts writes space, tab, newline and backslash as octal escapes
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
 def fstype_of(path: Path) -> str | None:
     """The type of the filesystem `path` (or its nearest existing parent) lives on."""
-    real = str(_existing(Path(path)).resolve())
-    best, kind = "", None
-    try:
-        lines = Path("/proc/self/mounts").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        mnt = _unescape(parts[1])
-        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-            best, kind = mnt, parts[2]
-    return kind
+    return procs.fs_type(_existing(Path(path)))
 
 
 def mem_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return procs.mem_available()
 
 
 def probe(path: Path) -> Space:

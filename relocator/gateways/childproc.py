@@ -4,11 +4,12 @@ URL answers 200, read its log's tail, stop it. Subclasses start the process."""
 from __future__ import annotations
 
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from relocator import waits
 
 
 class ChildServer:
@@ -24,19 +25,20 @@ class ChildServer:
         """Until `url` answers 200; the process exiting or `timeout_s` passing (then it is
         stopped) raise RuntimeError with the log's tail."""
         assert self.proc is not None
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {self.tail()}")
-            try:
-                with urllib.request.urlopen(url, timeout=self.probe_timeout_s) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(self.poll_s)
-        self.stop()
-        raise RuntimeError(f"{self.name} not ready after {timeout_s:g}s: {self.tail()}")
+        if not waits.settle(lambda: self._answers(url), timeout_s, every=self.poll_s):
+            self.stop()
+            raise RuntimeError(f"{self.name} not ready after {timeout_s:g}s: {self.tail()}")
+
+    def _answers(self, url: str) -> bool:
+        """`url` answers 200 now; the process having exited raises (and so ends the wait)."""
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {self.tail()}")
+        try:
+            with urllib.request.urlopen(url, timeout=self.probe_timeout_s) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
 
     def tail(self, n: int = 3000) -> str:
         try:

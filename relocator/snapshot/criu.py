@@ -185,23 +185,15 @@ def feature(name: str) -> tuple[bool, str]:
     return (not bad), out or f"exit {proc.returncode}"
 
 
-def _has_cap(bit: int) -> bool:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("CapEff:"):
-                return bool(int(line.split()[1], 16) >> bit & 1)
-    except (OSError, ValueError):
-        pass
-    return False
-
-
 def lazy_dump_pipes() -> tuple[bool, str]:
     """Whether a lazy dump (the source of a post-copy) can serve large page requests here."""
-    if _has_cap(CAP_SYS_RESOURCE):
+    from relocator import procs  # here, not at the top: the keeper imports this module under -S
+
+    if procs.has_capability(CAP_SYS_RESOURCE):
         return True, "CAP_SYS_RESOURCE (pipes of any size)"
     try:
-        size = int(Path("/proc/sys/fs/pipe-max-size").read_text())
-    except (OSError, ValueError):
+        size = int(procs.sysctl("fs.pipe-max-size") or "")
+    except ValueError:
         return False, "fs.pipe-max-size unreadable"
     ok = size >= LAZY_PIPE_BYTES
     return ok, (f"fs.pipe-max-size is {size} (>= {LAZY_PIPE_BYTES} needed without CAP_SYS_RESOURCE)")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from adapters.base import EngineFingerprint, get_adapter
+from relocator import procs
 from relocator.choices import Choice
 from relocator.cell import devices, netns
 from relocator.cell.cell import Cell, CellError, cells_dir, new_cell_id
@@ -114,7 +115,7 @@ def fingerprint_of(cell: Cell) -> Fingerprint:
 
 def _shm_files(cell: Cell) -> set[str]:
     try:
-        return set(os.listdir(f"/proc/{cell.init_pid}/root/dev/shm"))
+        return set(os.listdir(procs.root(cell.init_pid) / "dev/shm"))
     except OSError:
         return set()
 
@@ -147,7 +148,9 @@ def _dump(cell: Cell, image_dir: Path, progress: Progress, run_criu: Callable[[i
         cuda_pids = cuda.checkpoint(cell.pids())
         timings["cuda_checkpoint_s"] = time.monotonic() - t
     progress("criu dump", None)
-    netns_inode = os.stat(f"/proc/{cell.init_pid}/ns/net").st_ino
+    netns_inode = procs.ns_inode("net", cell.init_pid)
+    if netns_inode is None:
+        raise CellError(f"cell {cell.id} is gone (no net namespace for init pid {cell.init_pid})")
     dump_args, _ = devices.criu_external_args(devices.DeviceProfile.from_dict(cell.devices))
     t = time.monotonic()
     try:
@@ -224,7 +227,7 @@ def resume_source(cell: Cell) -> None:
     if remaps.exists():
         for name in json.loads(remaps.read_text()):
             try:
-                os.unlink(f"/proc/{cell.init_pid}/root/dev/shm/{name}")
+                os.unlink(procs.root(cell.init_pid) / "dev/shm" / name)
             except FileNotFoundError:
                 pass
         remaps.unlink()
