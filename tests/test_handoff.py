@@ -46,9 +46,10 @@ class HandoffBackend(FakeBackend):
         self.prefilled.extend(sequences)
         return {"sequences": len(sequences)}
 
-    def handoff_switch(self, wid, endpoint, keep_inexact=True):
+    def handoff_switch(self, wid, endpoint, keep_inexact=True, cut_from=None):
         info = self.switch(wid, endpoint)
         if not keep_inexact:
+            assert cut_from == "http://a"  # only the source's streams are cut past the window
             self.stay_on_source = 0
         return info
 

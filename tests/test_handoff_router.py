@@ -49,6 +49,17 @@ def test_switch_keeping_inexact_streams_cuts_only_exact_ones():
     assert t.get("w").endpoint == "http://dst"
 
 
+def test_a_switch_cut_from_the_source_leaves_the_targets_streams_alone():
+    t = RoutingTable()
+    t.add("w", "m", "http://src")
+    on_src = _stream(t, {"temperature": 0.8, "seed": 3}, [9])
+    on_src.endpoint = "http://src"
+    on_dst = _stream(t, {"temperature": 0.8, "seed": 4}, [9])
+    on_dst.endpoint = "http://dst"
+    info = t.switch("w", "http://dst", cut_from="http://src/")
+    assert info["moved_streams"] == 1 and on_src.moved and not on_dst.moved
+
+
 def test_plain_switch_still_cuts_every_stream():
     t = RoutingTable()
     t.add("w", "m", "http://src")

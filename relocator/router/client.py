@@ -138,10 +138,13 @@ class RouterControlSync:
     def hold(self, worker_id: str) -> dict:
         return self._call("POST", _paths(worker_id)["hold"])
 
-    def switch(self, worker_id: str, endpoint: str, release: bool = True, keep_inexact: bool = False) -> dict:
-        body = {"endpoint": endpoint, "release": release}
+    def switch(self, worker_id: str, endpoint: str, release: bool = True, keep_inexact: bool = False,
+               cut_from: str | None = None) -> dict:
+        body: dict[str, Any] = {"endpoint": endpoint, "release": release}
         if keep_inexact:
             body["keep_inexact"] = True
+        if cut_from:
+            body["cut_from"] = cut_from
         return self._call("POST", _paths(worker_id)["switch"], body)
 
     def streams(self, worker_id: str) -> list[dict]:

@@ -150,7 +150,10 @@ class ControlAPI:
         if not isinstance(keep, bool):
             raise errors.bad_request(f"'keep_inexact' must be true or false, not {keep!r}.",
                                      param="keep_inexact")
-        info = self.rt.table.switch(w, ep, release=release, keep_inexact=keep)
+        cut_from = b.get("cut_from")
+        if cut_from is not None and not isinstance(cut_from, str):
+            raise errors.bad_request("'cut_from' must be an endpoint (http[s]://host:port).", param="cut_from")
+        info = self.rt.table.switch(w, ep, release=release, keep_inexact=keep, cut_from=cut_from)
         self.rt.persist()
         return web.json_response(info)
 

@@ -109,9 +109,10 @@ class _WatchedTable(RoutingTable):
                 cs.pause.gone(cs)
                 cs.pause = None
 
-    def switch(self, worker_id: str, endpoint: str, *, release: bool = True, keep_inexact: bool = False) -> dict:
+    def switch(self, worker_id: str, endpoint: str, *, release: bool = True, keep_inexact: bool = False,
+               cut_from: str | None = None) -> dict:
         self.on_switch(worker_id)
-        return super().switch(worker_id, endpoint, release=release, keep_inexact=keep_inexact)
+        return super().switch(worker_id, endpoint, release=release, keep_inexact=keep_inexact, cut_from=cut_from)
 
 
 class RouterServer:

@@ -239,9 +239,10 @@ class RoutingTable:
         return [p for p in got if p is not None]
 
     def switch(self, worker_id: str, endpoint: str, *, release: bool = True,
-               keep_inexact: bool = False) -> dict:
+               keep_inexact: bool = False, cut_from: str | None = None) -> dict:
         """`keep_inexact`: a stream whose continuation would not be exact is not cut: it ends
-        on the endpoint it has (a handoff's source, serving on for a window)."""
+        on the endpoint it has (a handoff's source, serving on for a window). `cut_from`: only
+        streams reading from that endpoint are cut (the handoff's source, past its window)."""
         r = self.get(worker_id)
         old = r.endpoint
         r.endpoint = endpoint.rstrip("/")
@@ -249,6 +250,8 @@ class RoutingTable:
         r.generation += 1
         moved = kept = 0
         for s in list(r.streams):
+            if cut_from is not None and s.endpoint != cut_from.rstrip("/"):
+                continue  # already on the target: left alone
             p = s.progress() if keep_inexact else None
             if p is not None and p["inexact"]:
                 kept += 1

@@ -45,9 +45,10 @@ class HandoffCalls:
         return self.agents.call(node, lambda a: a.prefill.remote(endpoint, model, sequences),  # type: ignore[attr-defined]
                                 "prefill", timeout=300)
 
-    def handoff_switch(self, worker_id: str, endpoint: str, keep_inexact: bool = True) -> dict:
+    def handoff_switch(self, worker_id: str, endpoint: str, keep_inexact: bool = True,
+                       cut_from: str | None = None) -> dict:
         return self._router(worker_id, lambda rc: rc.switch(worker_id, endpoint,  # type: ignore[attr-defined]
-                                                            keep_inexact=keep_inexact), endpoint)
+                                                            keep_inexact=keep_inexact, cut_from=cut_from), endpoint)
 
 
 class WarmUp:
@@ -141,7 +142,8 @@ class HandoffTransfer(TransferStrategy):
         left = settle(lambda: on_source(ctx.backend, rel) == 0, window, every=0.5)
         out: dict[str, Any] = {"window_s": round(time.monotonic() - t0, 4)}
         if not left:  # past the window: continued on the target anyway (inexact, reported)
-            info = ctx.backend.handoff_switch(rel.worker, rel.dst_endpoint, keep_inexact=False)
+            info = ctx.backend.handoff_switch(rel.worker, rel.dst_endpoint, keep_inexact=False,
+                                              cut_from=rel.src_endpoint)
             out["continued_past_window"] = info.get("moved_streams", 0)
         return out
 
