@@ -130,7 +130,7 @@ def _phase_info(rel: dict) -> dict:
     """Where DUMP, TRANSFER and RESTORE spent their time, as the agents reported it."""
     keep = ("seconds", "timings", "bytes", "lazy_bytes", "streamed_pages_bytes", "page_server_s", "hash_tail_s",
             "criu_restore_s", "health_s", "gb_per_s", "requested", "why", "postcopy_s", "page_bytes",
-            "pages_after_switch_bytes", "pushed_bytes", "pump_port", "pump_error", "image_on", "postcopy")
+            "pages_after_switch_bytes", "pushed_bytes", "pump_port", "pump_error", "image_on", "postcopy", "link")
     out = {}
     for p in rel.get("phases", []):
         info = {k: v for k, v in (p.get("info") or {}).items() if k in keep}
