@@ -403,3 +403,29 @@ def test_parse_body_refuses_the_types_the_router_would_crash_on():
     for ok in (b'"stream_options": null', b'"stream_options": {}', b'"max_tokens": 5.0',
                b'"max_tokens": -1', b'"min_tokens": null', b'"max_tokens": 100000000000000'):
         assert parse_body(b'{"model": "m", %s}' % ok, t)["model"] == "m"  # the engine's to judge
+
+
+def test_a_stream_flag_the_engine_reads_as_true_is_streamed_by_the_router():
+    """"stream": "true" (a string) is a streamed request to vLLM's pydantic: the router must take
+    the stream path for it too, and the unary one for the strings vLLM reads as false."""
+    from relocator.router.core import RouterCore, parse_body
+
+    t = RoutingTable()
+    t.add("w", "m", "http://a")
+    for raw, want in [(b'"true"', True), (b'"on"', True), (b"1", True), (b"true", True),
+                      (b'"false"', False), (b'"off"', False), (b"0", False), (b"null", False)]:
+        assert parse_body(b'{"model": "m", "prompt": "x", "stream": %s}' % raw, t)["stream"] is want
+
+    core = RouterCore(t, None)  # type: ignore[arg-type]  # never reaches an upstream here
+    taken: list[str] = []
+
+    async def stream(*a, **k):
+        taken.append("stream")
+
+    async def unary(*a, **k):
+        taken.append("unary")
+
+    core._stream, core._unary = stream, unary  # type: ignore[method-assign]
+    for flag in (b'"true"', b'"false"'):
+        asyncio.run(core.handle("completions", b'{"model": "m", "prompt": "x", "stream": %s}' % flag))
+    assert taken == ["stream", "unary"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from . import errors
+from .stream import lax_bool
 from .table import RoutingTable
 
 
@@ -27,6 +28,10 @@ def parse_body(raw: bytes, table: RoutingTable) -> dict:
     if not table.has_model(model):
         raise errors.model_not_found(model)
     check_types(body)
+    if "stream" in body:
+        # vLLM's pydantic reads "true", "on", 1 as true (lax mode): read as the router's own
+        # non-stream, such a request would come back from the engine as SSE on the unary path
+        body["stream"] = lax_bool(body["stream"])
     return body
 
 
