@@ -347,3 +347,27 @@ def test_guarded_returns_an_error_and_a_verdict() -> None:
     with pytest.raises(ZeroDivisionError):
         guarded(lambda: 1 / 0, Watch(100, 100))
     assert guarded(lambda: None, Watch(100, 100)) is None
+
+
+def test_chaos_json_stdout_is_the_json_alone(monkeypatch, tmp_path) -> None:
+    """`relocator chaos --json > x.json`: what Ray's driver prints to stdout during the run (its
+    raylet error lines, printed whatever log_to_driver says) goes to stderr, not into the JSON."""
+    import json
+    import sys
+
+    from typer.testing import CliRunner
+
+    import relocator.chaos.runner as runner
+    from relocator.cli import _register, app
+
+    def fake_run(cfg, ctl=None, say=lambda *_: None):
+        print("(raylet) Raylet is terminated. Termination is graceful.")  # as Ray's thread does
+        sys.stdout.write("more driver noise\n")
+        return {"ok": True, "relocations": 0, "moves": [{"n": 1, "phase_times": {}}]}
+
+    monkeypatch.setattr(runner, "run_chaos", fake_run)
+    _register()
+    res = CliRunner().invoke(app, ["chaos", "--json", "--moves", "0", "--cluster-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout) == {"ok": True, "relocations": 0, "moves": [{"n": 1}]}
+    assert "Raylet is terminated" in res.stderr and "more driver noise" in res.stderr

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from adapters.base import DEFAULT_ENGINE, Engine
 from relocator.cli import app
-from relocator.cli.common import choice_list, console, handle_errors, print_json
+from relocator.cli.common import choice_list, console, handle_errors, print_json, stdout_for_json
 
 
 def _faults(text: str) -> list[str]:
@@ -80,6 +80,7 @@ def chaos_cmd(duration: float = typer.Option(None, "--duration", help="stop star
                                                "streams": 8 if streams is None else streams,
                                                "faults": fl or []}.items() if v is not None})
     say = (lambda *_: None) if json_out else (lambda m: console.print(m, highlight=False))
+    json_file = stdout_for_json() if json_out else None  # `--json > x.json` gets JSON alone
     rep = run_chaos(cfg, say=say)
     if out:
         with open(out, "w") as fh:
@@ -87,7 +88,7 @@ def chaos_cmd(duration: float = typer.Option(None, "--duration", help="stop star
     if json_out:
         rep = {k: v for k, v in rep.items() if k != "moves"} | {"moves": [
             {k: v for k, v in m.items() if k != "phase_times"} for m in rep.get("moves", [])]}
-        print_json(rep)
+        print_json(rep, json_file)
     else:
         _print_report(rep)
     if rep.get("stalled"):  # 2: the run was cut short, its checks incomplete

@@ -6,7 +6,7 @@ import functools
 import json
 import os
 import sys
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, TextIO, TypeVar
 
 import typer
 from rich.console import Console
@@ -16,8 +16,24 @@ err = Console(stderr=True)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+def print_json(obj: Any, file: TextIO | None = None) -> None:
+    out = file or sys.stdout
+    out.write(json.dumps(obj, indent=2, default=str) + "\n")
+    out.flush()
+
+
+def stdout_for_json() -> TextIO:
+    """The real stdout, kept for the one JSON document a `--json` command prints; from now on
+    anything else printed to sys.stdout goes to stderr. Ray's driver prints raylet errors
+    there ("(raylet) Raylet is terminated ...") from a thread that log_to_driver=False does not
+    stop and that outlives the run, hence no switch back."""
+    real = sys.stdout
+    _kept.append(real)  # a stream no longer sys.stdout must not be collected (closed) before use
+    sys.stdout = sys.stderr
+    return real
+
+
+_kept: list[TextIO] = []
 
 
 def fail(message: str, code: int = 1) -> None:
