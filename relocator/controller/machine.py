@@ -39,6 +39,7 @@ from relocator.controller.model import (
     failure_reason,
     phase_index,
 )
+from relocator.controller.states import transition
 from relocator.controller.store import Store
 
 log = logging.getLogger("relocator.controller")
@@ -213,7 +214,8 @@ class Machine:
         w = self.store.worker(rel.worker)
         if w is None or w.state != WorkerState.RELOCATING or rel.result not in STATE_AFTER:
             return
-        w.state = worker_state_after(rel)
+        # no event: RELOCATION_FINISHED reports the outcome (WORKER_STATE is for changes outside a move)
+        transition(w, worker_state_after(rel), f"relocation {rel.id} {rel.result}")
         if w.state == WorkerState.LOST and not w.error:
             w.error = f"relocation {rel.id} failed: {rel.error}"
         self.store.save_worker(w)
@@ -222,7 +224,7 @@ class Machine:
     def _plan(self, rel: Relocation, w: WorkerRecord) -> dict:
         rel.transfer = TransferMode(rel.transfer)  # unknown mode or fault: refused before anything moves
         check_faults(rel.faults)
-        if w.state not in ("running",):
+        if w.state is not WorkerState.RUNNING:
             raise PlanError(f"worker {w.id} is {w.state}, not running")
         if w.node != rel.src:
             raise PlanError(f"worker {w.id} runs on {w.node}, not {rel.src}")
@@ -240,7 +242,8 @@ class Machine:
         rel.dst_cell = f"{w.id}-{rel.id}"
         rel.image_dir = self.backend.image_dir(rel.src, rel.id)
         rel.dst_image_dir, image_on, image_why = mode.target_image(self.backend, rel, w)
-        w.state = WorkerState.RELOCATING  # handed back by settle_worker when the relocation finishes
+        # handed back by settle_worker when the relocation finishes
+        transition(w, WorkerState.RELOCATING, f"relocation {rel.id} to {rel.dst}")
         self.store.save_worker(w)
         out = {"to": rel.dst, "transfer": rel.transfer.value, "image_on": image_on}
         if image_why:
