@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 from relocator.agent.modes import ModeOps
 from relocator.waits import settle
+from relocator.warm.launch import WarmStarts
 
 NAMESPACE = "relocator"
 
@@ -48,6 +49,7 @@ class NodeAgent(ModeOps):  # every transfer mode's ops (relocator.agent.modes)
         self._receivers: dict[str, Any] = {}
         self._lazy_dumps: dict[str, Any] = {}
         self.started_at = time.time()
+        self.warm = WarmStarts(node, self._cluster_base())  # issue 28: starts from warm images
         self.adopted = self._adopt()
 
     # -- helpers ----------------------------------------------------------------------------
@@ -165,7 +167,7 @@ class NodeAgent(ModeOps):  # every transfer mode's ops (relocator.agent.modes)
                gpu_ids: list[int] | None = None, ready_timeout: float = 600.0,
                extra: dict | None = None, engine: str | None = None) -> dict[str, Any]:
         from adapters.base import DEFAULT_ENGINE
-        from relocator.worker import default_spec, launch_worker, wait_ready
+        from relocator.worker import default_spec
 
         engine = engine or DEFAULT_ENGINE
         with self._lock(cell_id):
@@ -183,14 +185,10 @@ class NodeAgent(ModeOps):  # every transfer mode's ops (relocator.agent.modes)
                     # fake GPUs (Ray's counts on a CPU host): only the variable, as before
                     spec.env = {**spec.env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpu_ids))}
             t0 = time.monotonic()
-            cell = launch_worker(spec, engine=engine, cell_id=cell_id, gpu_ids=cell_gpus)
-            try:
-                ready_s = asyncio.run(wait_ready(cell, timeout=ready_timeout))
-            except BaseException:
-                cell.kill()
-                raise
+            # a warm restore of its kind when the node has one, else cold (and captured)
+            cell, ready_s, warm = self.warm.start(spec, engine, cell_id, cell_gpus, ready_timeout)
             return {**self._describe(cell), "ready_s": round(ready_s, 3),
-                    "launch_s": round(time.monotonic() - t0, 3)}
+                    "launch_s": round(time.monotonic() - t0, 3), "warm": warm}
 
     def dump(self, cell_id: str, image_dir: str, page_server: dict | None = None) -> dict[str, Any]:
         """Checkpoint a cell into `image_dir`; with `page_server` ({address, port}: the target's,

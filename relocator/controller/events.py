@@ -45,6 +45,8 @@ class EventKind(Choice):
     CONSOLIDATED = "consolidated"  # moves, nodes_freed, gpus_moved, results
     # every change of a worker's state outside a relocation (states.transition)
     WORKER_STATE = "worker_state"  # worker, node, from, to, why
+    # how a start went (issue 28): how (warm: restored from its kind's image | cold), key, reason, capture
+    WORKER_STARTED = "worker_started"  # worker, node, cell, how, key, reason, capture, seconds
 
 
 def json_line_logger(path: Path | None) -> None:

@@ -100,8 +100,20 @@ class WorkerManager:
             except Exception as exc:  # noqa: BLE001 - fall back to a cold start
                 log.warning("warm restart of %s from %s failed (%s); launching cold", w.id, w.last_image, exc)
                 best_effort(f"removing the failed restore of {w.id}", lambda: self.backend.kill(node, w.cell_id))
-        return "cold launch", self.backend.agents.launch(node, w.cell_id, w.model_dir, w.model,
-                                                     engine=w.engine, gpu_ids=w.gpu_ids or None)
+        info = self.launch(w, node)
+        return ("restored from a warm image" if info.get("warm", {}).get("how") == "warm" else "cold launch"), info
+
+    def launch(self, w: WorkerRecord, node: str) -> dict:
+        """The agent's start of `w` on `node` (a warm restore of its kind, else cold), and an
+        event saying which and why."""
+        t = time.monotonic()
+        info = self.backend.agents.launch(node, w.cell_id, w.model_dir, w.model, engine=w.engine,
+                                          gpu_ids=w.gpu_ids or None)
+        warm = info.get("warm") or {}
+        self.emit(EventKind.WORKER_STARTED, worker=w.id, node=node, cell=w.cell_id, how=warm.get("how", "cold"),
+                  key=warm.get("key"), reason=warm.get("reason", ""), capture=warm.get("capture"),
+                  seconds=round(time.monotonic() - t, 3))
+        return info
 
     def replace(self, w: WorkerRecord) -> None:
         """A lost worker gets a fresh copy on a live node: the router holds its requests (and
@@ -198,8 +210,7 @@ class WorkerManager:
         node = w.node
         try:
             t1 = time.monotonic()
-            info = self.backend.agents.launch(node, w.cell_id, w.model_dir, w.model, engine=w.engine,
-                                             gpu_ids=w.gpu_ids or None)
+            info = self.launch(w, node)
             w.launch_s = round(time.monotonic() - t1, 3)
             w.endpoint = info["endpoint"]
             self.router().add_replica(w.id, w.model, w.endpoint, tokenizer_of(w), w.engine)

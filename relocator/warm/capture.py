@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from relocator.cell import devices
@@ -53,36 +55,69 @@ def _dump_running(cell: Cell, image_dir, timings: dict[str, float]) -> None:
             cuda.restore(cuda_pids)
 
 
-def capture(cell: Cell, store: ImageStore, progress: Progress = _noop) -> tuple[Entry, bool]:
-    """File a warm image of `cell` (ready, not yet serving) in `store`, unless its kind already
-    has one. Returns (the entry, whether this call dumped it). The cell runs on either way.
-    Raises CellError (not running), CriuError (the dump failed; the cell still runs) or
-    StoreFull / ImageError (nothing filed)."""
+@dataclass
+class Staged:
+    """A leave-running dump waiting to be hashed, signed and filed (`file_staged`)."""
+
+    cell: Cell
+    store: ImageStore
+    key: str
+    path: Path
+    fingerprint: Fingerprint
+    timings: dict[str, float]
+
+
+def dump_staged(cell: Cell, store: ImageStore, progress: Progress = _noop,
+                key: str | None = None) -> Staged | Entry:
+    """The part of a capture the worker waits for: its freeze for the leave-running dump.
+    Returns the stored entry when its kind has one already (nothing dumped), else the staged
+    dump for `file_staged` (which may run while the worker serves)."""
     if not cell.is_alive() or cell.is_stopped():
         raise CellError(f"cell {cell.id} is not running; a warm image is taken of a running worker")
     if not cell.launch:
         raise CellError(f"cell {cell.id} has no launch record; its kind is unknown")
     progress("fingerprint", None)
     fingerprint = fingerprint_of(cell)
-    key = key_of_cell(cell, fingerprint)
+    key = key or key_of_cell(cell, fingerprint)
     existing = store.get(key)
     if existing is not None:
-        return existing, False
+        return existing
     staged = store.staging(key)
     timings: dict[str, float] = {}
     try:
         progress("criu dump (leave running)", None)
         _dump_running(cell, staged, timings)
-        progress("checksums", None)
-        t = time.monotonic()
-        files = hash_files(staged)
-        timings["checksum_s"] = time.monotonic() - t
-        manifest = Manifest(files=files, fingerprint=fingerprint, timings=timings, pages=PagesMode.LOCAL,
-                            cell=CellInfo(engine=cell.engine, port=cell.port, launch=cell.launch,
-                                          source_cell=cell.id, devices=cell.devices or {}))
-        write_manifest(staged, manifest)
-        write_stamp(staged, manifest)  # hashed just now: the store's commit need not hash again
     except BaseException:
         store.discard(staged)
         raise
-    return store.commit(key, staged), True
+    return Staged(cell, store, key, staged, fingerprint, timings)
+
+
+def file_staged(s: Staged, progress: Progress = _noop) -> Entry:
+    """Hash, sign and commit a staged dump (StoreFull / ImageError: nothing filed)."""
+    cell = s.cell
+    try:
+        progress("checksums", None)
+        t = time.monotonic()
+        files = hash_files(s.path)
+        s.timings["checksum_s"] = time.monotonic() - t
+        manifest = Manifest(files=files, fingerprint=s.fingerprint, timings=s.timings, pages=PagesMode.LOCAL,
+                            cell=CellInfo(engine=cell.engine, port=cell.port, launch=cell.launch,
+                                          source_cell=cell.id, devices=cell.devices or {}))
+        write_manifest(s.path, manifest)
+        write_stamp(s.path, manifest)  # hashed just now: the store's commit need not hash again
+    except BaseException:
+        s.store.discard(s.path)
+        raise
+    return s.store.commit(s.key, s.path)
+
+
+def capture(cell: Cell, store: ImageStore, progress: Progress = _noop) -> tuple[Entry, bool]:
+    """File a warm image of `cell` (ready, not yet serving) in `store`, unless its kind already
+    has one. Returns (the entry, whether this call dumped it). The cell runs on either way.
+    Raises CellError (not running), CriuError (the dump failed; the cell still runs) or
+    StoreFull / ImageError (nothing filed)."""
+    staged = dump_staged(cell, store, progress)
+    if isinstance(staged, Entry):
+        return staged, False
+    return file_staged(staged, progress), True

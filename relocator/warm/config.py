@@ -29,7 +29,7 @@ class StoreSection(_Section):
     root: StoreRoot = StoreRoot.AUTO
     tmpfs_dir: str = "/dev/shm/relocator/warm"
     disk_dir: str = "/var/lib/relocator/warm"
-    max_gb: float = Field(8.0, gt=0)
+    max_gb: float = Field(4.0, gt=0)
 
     @property
     def max_bytes(self) -> int:
@@ -47,6 +47,8 @@ class PrefetchSection(_Section):
 class WarmConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RELOCATOR_WARM__", env_nested_delimiter="__", extra="ignore")
 
+    #: the one switch: off, every start is cold and nothing is captured (RELOCATOR_WARM__ENABLED=0)
+    enabled: bool = True
     store: StoreSection = StoreSection()
     capture: CaptureSection = CaptureSection()
     prefetch: PrefetchSection = PrefetchSection()
@@ -61,6 +63,8 @@ class WarmConfig(BaseSettings):
         if path or p.exists():
             data = yaml.safe_load(p.read_text()) or {}
         env = cls()  # environment only
+        if "enabled" in env.model_fields_set:
+            data["enabled"] = env.enabled
         for section in ("store", "capture", "prefetch"):
             for key in getattr(env, section).model_fields_set:
                 data.setdefault(section, {})[key] = getattr(getattr(env, section), key)

@@ -51,6 +51,11 @@ class WarmKind(BaseModel):
 
 def launch_digest(launch: dict[str, Any]) -> str:
     kept = {k: v for k, v in launch.items() if k not in PER_INSTANCE and k != "devices"}
+    # fake GPUs (Ray's counts on a CPU host) reach a worker only as this variable: which ones
+    # a worker holds is its reservation's, not its kind (real GPUs are in `devices`)
+    env = {k: v for k, v in (kept.get("env") or {}).items() if k != "CUDA_VISIBLE_DEVICES"}
+    if "env" in kept:
+        kept["env"] = env
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
 
 

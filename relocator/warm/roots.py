@@ -34,12 +34,12 @@ def _tmpfs_problem(space: Space, max_bytes: int) -> str | None:
     return None
 
 
-def store_root(cfg: WarmConfig, node: str) -> tuple[Path, str]:
-    """(the node's store directory, why there)."""
+def store_root(cfg: WarmConfig, node: str, dirs: tuple[Path, Path] | None = None) -> tuple[Path, str]:
+    """(the node's store directory, why there); `dirs`: (tmpfs, disk) instead of the config's."""
     if not _NODE.match(node) or ".." in node:
         raise ValueError(f"not a node name: {node!r}")
     section = cfg.store
-    tmpfs, disk = Path(section.tmpfs_dir) / node, Path(section.disk_dir) / node
+    tmpfs, disk = dirs or (Path(section.tmpfs_dir) / node, Path(section.disk_dir) / node)
     if section.root is StoreRoot.DISK:
         return disk, "root: disk"
     if section.root is StoreRoot.AUTO:
@@ -58,4 +58,24 @@ def open_store(node: str = "local", cfg: WarmConfig | None = None) -> ImageStore
     """The warm image store of `node` on this machine (emulated nodes each have their own)."""
     cfg = cfg or WarmConfig.load()
     root, _why = store_root(cfg, node)
+    return ImageStore(root, cfg.store.max_bytes)
+
+
+def cluster_dirs(base_dir: str | Path, node: str) -> tuple[Path, Path]:
+    """(tmpfs, disk) of `node`'s store in the cluster of `base_dir`: under the cluster's tmpfs
+    root and its node directory, so `relocator down` removes both with the cluster (and the
+    leak check, which looks at `<node>/images/*`, does not count them)."""
+    from relocator.agent.transient import transient_root
+
+    return transient_root(base_dir) / node / "warm", Path(base_dir) / "nodes" / node / "warm"
+
+
+def open_cluster_store(base_dir: str | Path, node: str, cfg: WarmConfig | None = None) -> ImageStore:
+    """The store an agent of the cluster of `base_dir` keeps for `node`."""
+    from relocator.agent.transient import make_node_images
+
+    cfg = cfg or WarmConfig.load()
+    root, _why = store_root(cfg, node, cluster_dirs(base_dir, node))
+    if root == cluster_dirs(base_dir, node)[0]:
+        make_node_images(base_dir, node)  # writes the root's base marker, which `down` reads
     return ImageStore(root, cfg.store.max_bytes)

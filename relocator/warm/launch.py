@@ -1,0 +1,143 @@
+"""Every start of a known kind is a warm restore (issue 28): the agent's launch, on its node's
+store in the cluster (relocator.warm.roots.open_cluster_store).
+
+A start first restores the warm image of its kind; when there is none (or it is damaged,
+incompatible, or CRIU fails) nothing has started and the worker is launched cold, the reason
+kept in the launch's answer (the controller puts it in a `worker_started` event). A cold
+worker, once ready, is captured (CRIU leave-running) when its kind has no image yet: the
+worker waits only for the freeze; hashing, signing and filing run on while it serves. One
+capture per kind per node at a time; a start of that kind waits for it to be filed. A failed
+capture never fails the launch. `warm.enabled: false` (RELOCATOR_WARM__ENABLED=0) turns all
+of it off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from relocator.warm.config import WarmConfig
+
+log = logging.getLogger("relocator.warm")
+#: how long a start waits for the filing of its kind's image in progress (seconds)
+FILING_WAIT_S = 120.0
+
+
+class WarmStarts:
+    """One per agent: its node's store, the captures in flight."""
+
+    def __init__(self, node: str, base_dir: str | Path) -> None:
+        self.node, self.base_dir = node, Path(base_dir)
+        self._guard = threading.Lock()
+        self._filing: dict[str, threading.Event] = {}  # key -> set once filed (or given up)
+
+    def store(self, cfg: WarmConfig):
+        from relocator.warm.roots import open_cluster_store
+
+        return open_cluster_store(self.base_dir, self.node, cfg)
+
+    # -- a start ---------------------------------------------------------------------------------
+    def start(self, spec, engine: str, cell_id: str, gpu_ids: list[int] | None,
+              ready_timeout: float) -> tuple[Any, float, dict[str, Any]]:
+        """(the ready cell, seconds to ready, how it started: {how: warm|cold, key, reason,
+        capture}). Raises only what a cold launch raises."""
+        from relocator.worker import launch_worker, wait_ready
+
+        cfg = WarmConfig.load()
+        cell, warm = self._restore(cfg, spec, engine, cell_id, gpu_ids, ready_timeout)
+        if cell is not None:
+            return cell, warm.pop("ready_s"), warm
+        cell = launch_worker(spec, engine=engine, cell_id=cell_id, gpu_ids=gpu_ids)
+        try:
+            ready_s = asyncio.run(wait_ready(cell, timeout=ready_timeout))
+        except BaseException:
+            cell.kill()
+            raise
+        warm["capture"] = self.capture(cfg, cell)
+        return cell, ready_s, warm
+
+    def _restore(self, cfg: WarmConfig, spec, engine: str, cell_id: str, gpu_ids: list[int] | None,
+                 ready_timeout: float) -> tuple[Any, dict[str, Any]]:
+        """The warm copy, ready, or (None, why it starts cold)."""
+        from relocator.cell.cell import CellError
+        from relocator.snapshot.criu import CriuError
+        from relocator.snapshot.manifest import ImageError
+        from relocator.snapshot.snapshot import IncompatibleImage, RestoreTarget
+        from relocator.warm.roots import NoTmpfsRoom
+        from relocator.warm.start import NoWarmImage, key_for_launch, restore_warm
+        from relocator.worker import wait_ready
+
+        if not cfg.enabled:
+            return None, {"how": "cold", "key": None, "reason": "warm images are off (warm.enabled)"}
+        key = None
+        t0 = time.monotonic()
+        try:
+            key = key_for_launch(spec, engine, gpu_ids)
+            self._wait_filing(key)
+            cell = restore_warm(self.store(cfg), key, RestoreTarget(cell_id=cell_id, gpu_ids=gpu_ids))
+        except (NoWarmImage, ImageError, IncompatibleImage, CriuError, CellError, NoTmpfsRoom, OSError) as exc:
+            return None, {"how": "cold", "key": key, "reason": f"{type(exc).__name__}: {exc}"}
+        try:
+            asyncio.run(wait_ready(cell, timeout=min(ready_timeout, 120.0)))
+        except Exception as exc:  # noqa: BLE001 - a copy that does not serve: start cold instead
+            cell.kill()
+            return None, {"how": "cold", "key": key, "reason": f"the restored copy did not get ready: {exc}"}
+        return cell, {"how": "warm", "key": key, "reason": "", "ready_s": time.monotonic() - t0}
+
+    def _wait_filing(self, key: str) -> None:
+        with self._guard:
+            ev = self._filing.get(key)
+        if ev is not None:
+            ev.wait(FILING_WAIT_S)
+
+    # -- the capture -------------------------------------------------------------------------------
+    def capture(self, cfg: WarmConfig, cell) -> dict[str, Any]:
+        """Capture a ready cold worker of a kind the store lacks: {dumped, key, freeze_s,
+        reason}. The dump's freeze is all the worker waits for; never raises."""
+        from relocator.warm.capture import Staged, dump_staged, key_of_cell
+
+        if not (cfg.enabled and cfg.capture.enabled):
+            return {"dumped": False, "reason": "capture is off (warm.capture.enabled)"}
+        key = None
+        try:
+            key = key_of_cell(cell)
+            with self._guard:
+                if key in self._filing:
+                    return {"dumped": False, "key": key, "reason": "a capture of this kind is under way"}
+                self._filing[key] = threading.Event()
+            staged = dump_staged(cell, self.store(cfg), key=key)
+        except Exception as exc:  # noqa: BLE001 - a capture never fails the launch
+            log.warning("warm capture of %s failed: %s", cell.id, exc)
+            self._filed(key)
+            return {"dumped": False, "key": key, "reason": f"{type(exc).__name__}: {exc}"}
+        if not isinstance(staged, Staged):
+            self._filed(key)
+            return {"dumped": False, "key": key, "reason": "the store has this kind already"}
+        threading.Thread(target=self._file, args=(staged,), name=f"warm-file-{key[-8:]}", daemon=True).start()
+        return {"dumped": True, "key": key, "reason": "", "freeze_s": round(staged.timings.get("criu_dump_s", 0.0), 3)}
+
+    def _file(self, staged) -> None:
+        from relocator.warm.capture import file_staged
+
+        try:
+            entry = file_staged(staged)
+            log.info("warm image %s filed (%d bytes) from %s", staged.key, entry.bytes, staged.cell.id)
+        except Exception as exc:  # noqa: BLE001 - nothing filed; the next cold start tries again
+            log.warning("warm image %s of %s not filed: %s", staged.key, staged.cell.id, exc)
+        finally:
+            self._filed(staged.key)
+
+    def _filed(self, key: str | None) -> None:
+        with self._guard:
+            ev = self._filing.pop(key, None) if key else None
+        if ev is not None:
+            ev.set()
+
+    def images(self) -> list[dict[str, Any]]:
+        """The node's warm images, most recently used first."""
+        store = self.store(WarmConfig.load())
+        return [e.to_dict() for e in store.list()]

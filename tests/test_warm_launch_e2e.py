@@ -1,0 +1,64 @@
+"""Issue 28 on the session's loopback cluster: the first worker of a kind starts cold and is
+captured; a second of that kind on the same node is restored from the warm image and serves;
+both stop and leave nothing but the node's image (which goes with `relocator down`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import wait_for, workers
+
+pytestmark = pytest.mark.integration
+MODEL = "tiny-llama"
+
+
+def _started(ctl, worker: str) -> dict:
+    evs = [e for e in ctl.events(since=0, kinds=["worker_started"], idle_timeout=1, wait_s=1)
+           if e["worker"] == worker]
+    assert evs, f"no worker_started event for {worker}"
+    return evs[-1]
+
+
+def _complete(endpoint: str) -> dict:
+    body = json.dumps({"model": MODEL, "prompt": "warm", "max_tokens": 4, "temperature": 0}).encode()
+    req = urllib.request.Request(endpoint.rstrip("/") + "/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def test_second_launch_of_a_kind_is_a_warm_restore(relocator_cluster) -> None:
+    from relocator.warm.roots import cluster_dirs
+
+    ctl = relocator_cluster
+    a = ctl.launch(MODEL, gpus=1, worker_id="warm-a")
+    try:
+        first = _started(ctl, "warm-a")
+        # cold here, unless an earlier test of the session already filed this kind's image
+        assert first["how"] == "warm" or first["capture"]["dumped"] or "already" in first["capture"]["reason"], first
+        node = a["node"]
+        base = Path("/var/tmp") / f"relocator-test-{os.getpid()}"  # the relocator_cluster fixture's
+        b = ctl.launch(MODEL, gpus=1, node=node, worker_id="warm-b")
+        try:
+            second = _started(ctl, "warm-b")
+            assert second["how"] == "warm", second  # restored from the image, not loaded again
+            assert second["key"] == first["key"] and second["node"] == node
+            ws = workers(ctl)
+            assert ws["warm-b"]["state"] == "running" and ws["warm-b"]["cell"] != ws["warm-a"]["cell"]
+            assert ws["warm-b"]["endpoint"] != ws["warm-a"]["endpoint"]
+            for w in ("warm-a", "warm-b"):  # both serve, each at its own endpoint
+                assert _complete(ws[w]["endpoint"])["choices"][0]["text"] is not None
+            # the node's store lies in the cluster's own directories (removed by `relocator down`)
+            assert any((d / "images" / second["key"]).is_dir() for d in cluster_dirs(base, node))
+        finally:
+            ctl.stop_worker("warm-b")
+    finally:
+        ctl.stop_worker("warm-a")
+    wait_for(lambda: "warm-a" not in json.dumps(ctl.cells()) and "warm-b" not in json.dumps(ctl.cells()),
+             60, "the warm test's cells gone")
+    assert not {"warm-a", "warm-b"} & set(workers(ctl))
