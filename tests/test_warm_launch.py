@@ -146,3 +146,25 @@ def test_fake_gpu_ids_are_not_part_of_the_kind() -> None:
     b = {"served_model_name": "m", "env": {"CUDA_VISIBLE_DEVICES": "3", "X": "1"}}
     c = {"served_model_name": "m", "env": {"CUDA_VISIBLE_DEVICES": "3", "X": "2"}}
     assert launch_digest(a) == launch_digest(b) != launch_digest(c)
+
+
+def test_the_controller_says_how_a_replacement_started(tmp_path) -> None:
+    from relocator.controller.store import Store
+    from tests.test_controller_managers import Agents, Events, _workers, worker
+
+    class WarmAgents(Agents):
+        def call(self, node, method, *args, **kw):
+            out = super().call(node, method, *args, **kw)
+            if method == "launch":
+                return {**out, "warm": {"how": "warm", "key": "k", "reason": ""}}
+            return out
+
+    store = Store(tmp_path / "controller.db")
+    store.save_worker(worker(state="lost"))
+    ev = Events()
+    m, _ = _workers(store, WarmAgents(), ev)
+    m.claims.busy.add("w1")
+    m.replace(store.worker("w1"))
+    started = [f for k, f in ev if k == "worker_started"]
+    assert [(f["worker"], f["node"], f["how"], f["key"]) for f in started] == [("w1", "n2", "warm", "k")]
+    assert ev[-1][1]["how"] == "restored from a warm image" and store.worker("w1").state.value == "running"

@@ -48,6 +48,8 @@ def test_second_launch_of_a_kind_is_a_warm_restore(relocator_cluster) -> None:
             second = _started(ctl, "warm-b")
             assert second["how"] == "warm", second  # restored from the image, not loaded again
             assert second["key"] == first["key"] and second["node"] == node
+            print(f"launch through the controller: first ({first['how']}) {first['seconds']} s, "
+                  f"second ({second['how']}) {second['seconds']} s; capture {first['capture']}")
             ws = workers(ctl)
             assert ws["warm-b"]["state"] == "running" and ws["warm-b"]["cell"] != ws["warm-a"]["cell"]
             assert ws["warm-b"]["endpoint"] != ws["warm-a"]["endpoint"]
