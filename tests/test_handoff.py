@@ -29,7 +29,7 @@ class HandoffBackend(FakeBackend):
     def start_copy(self, node, cell, worker, gpu_ids):
         self._call("start_copy", node, cell)
         self.cells[(node, cell)] = "running"
-        return {"endpoint": f"http://{node}/{cell}", "cell_id": cell, "warm": True}
+        return {"endpoint": f"http://{node}/{cell}", "cell_id": cell, "warm": {"how": "warm", "key": "k"}}
 
     def router_streams(self, wid):
         self._call("router_streams", wid)

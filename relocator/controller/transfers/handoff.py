@@ -130,7 +130,9 @@ class HandoffTransfer(TransferStrategy):
         info = ctx.backend.start_copy(rel.dst, rel.dst_cell, worker, rel.dst_gpu_ids or None)
         rel.dst_endpoint = info["endpoint"]
         ctx.save(rel)  # a failure from here on kills the target copy (rollback)
-        start = {"start_s": round(time.monotonic() - t0, 4), "warm": bool(info.get("warm"))}
+        how = info.get("warm") or {}  # the agent's launch: {how: warm|cold, key, reason, capture}
+        start = {"start_s": round(time.monotonic() - t0, 4), "warm": how.get("how") == "warm",
+                 "start_why": how.get("reason", "")}
         return {**info, **start, **warm_up(ctx.backend, rel, worker), "source_frozen_s": 0.0}
 
     def switch(self, ctx: Context, rel: "Relocation", worker: "WorkerRecord") -> dict:
