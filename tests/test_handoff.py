@@ -110,8 +110,7 @@ def test_a_failure_before_the_switch_removes_only_the_target_copy(env, failing) 
 def test_streams_kept_on_the_source_are_continued_past_the_window(env) -> None:
     store, be = env
     be.stay_on_source = 1
-    m = Machine(store, be)
-    m.handoff_window_s = 0.0  # type: ignore[attr-defined]  # the controller's config
+    m = Machine(store, be, handoff_window_s=0.0)  # config controller.handoff_window_s
     rel = m.run(Relocation(id="r1", worker="w1", src="n1", dst="n2", transfer="handoff"))
     assert rel.result == DONE, rel.error
     info = rel.phases[-1]["info"]

@@ -67,6 +67,9 @@ class ControllerSection(_Section):
     # auto = a tmpfs with room for it (/dev/shm/relocator/...), else disk; tmpfs = always (a move
     # is refused at PLAN without one); disk = the node's image directory
     transient_images: TransientImages = TransientImages.AUTO
+    # transfer: handoff: how long streams that cannot be continued exactly may finish on the
+    # source after the switch (docs/handoff.md)
+    handoff_window_s: float = Field(30.0, ge=0, le=3600)
 
 
 class LocalConfig(BaseSettings):

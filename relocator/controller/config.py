@@ -33,6 +33,7 @@ class ControllerConfig(BaseModel):
     make_room_max_moves: int = Field(DEFAULT_MAX_MOVES, ge=0)
     consolidate: Any = None  # periodic.PeriodicConsolidation validates it
     transient_images: Any = None  # backend validates it (TransientImages)
+    handoff_window_s: float = Field(30.0, ge=0)  # docs/handoff.md
 
     @classmethod
     def of(cls, config: "ControllerConfig | dict[str, Any]") -> "ControllerConfig":

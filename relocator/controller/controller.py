@@ -83,7 +83,7 @@ class Controller:
         cfg, store, claims = self.config, self.store, self.claims
         self.backend, self.emit = backend, emit
         self.machine = Machine(store, backend, keep_images=cfg.keep_images, keep_last_image=cfg.keep_last_image,
-                               on_event=lambda kind, fields: emit(kind, **fields))
+                               handoff_window_s=cfg.handoff_window_s, on_event=lambda kind, fields: emit(kind, **fields))
         self.nodes = NodeManager(store, backend, claims, emit, self.node_dir, cfg.node_names, list_nodes,
                                  placement_groups)
         self.demands = DemandManager(store, claims, emit, self.nodes.inventory, self.nodes.cordoned,

@@ -105,7 +105,8 @@ class Machine:
                  on_crash: Callable[[float], None] = _default_crash,
                  on_update: Callable[[Relocation], None] | None = None,
                  on_event: Callable[[EventKind, dict[str, Any]], Any] | None = None,
-                 switch_retries: int = 3, router_retry_s: float = 5.0, postcopy_timeout_s: float = 600.0) -> None:
+                 switch_retries: int = 3, router_retry_s: float = 5.0, postcopy_timeout_s: float = 600.0,
+                 handoff_window_s: float = 30.0) -> None:
         self.store = store
         self.backend = backend
         self.keep_images = keep_images
@@ -117,6 +118,7 @@ class Machine:
         self.switch_retries = switch_retries
         self.router_retry_s = router_retry_s
         self.postcopy_timeout_s = postcopy_timeout_s
+        self.handoff_window_s = handoff_window_s  # a handoff's inexact streams on the source
         #: the phase order: each phase's handler, run in this order by `_run_phases`
         self.handlers: dict[Phase, Callable[[Relocation, WorkerRecord], dict | None]] = {
             Phase.PLAN: self._plan, Phase.RESERVE: self._reserve, Phase.HOLD: self._hold,

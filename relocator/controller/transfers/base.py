@@ -21,6 +21,7 @@ class Context(Protocol):
     backend: Any  # relocator.controller.machine.Backend plus the mode's own calls
     store: Any  # relocator.controller.store.Store: the worker records
     postcopy_timeout_s: float
+    handoff_window_s: float
 
     def save(self, rel: "Relocation") -> None: ...
     def target_alive(self, rel: "Relocation", when: str) -> None: ...

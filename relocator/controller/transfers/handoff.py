@@ -27,6 +27,7 @@ GAP_TOKENS = 4
 #: at most this many warm-up rounds (the source may outrun a slow target: switch anyway)
 MAX_ROUNDS = 6
 #: how long streams that cannot be continued exactly may finish on the source after SWITCH
+#: (the default of config controller.handoff_window_s)
 WINDOW_S = 30.0
 
 
@@ -139,7 +140,7 @@ class HandoffTransfer(TransferStrategy):
         return ctx.backend.handoff_switch(worker.id, rel.dst_endpoint, keep_inexact=True)
 
     def release(self, ctx: Context, rel: "Relocation") -> dict[str, Any]:
-        window = float(getattr(ctx, "handoff_window_s", WINDOW_S))  # the controller's config, if set
+        window = float(ctx.handoff_window_s)  # config controller.handoff_window_s
         t0 = time.monotonic()
         left = settle(lambda: on_source(ctx.backend, rel) == 0, window, every=0.5)
         out: dict[str, Any] = {"window_s": round(time.monotonic() - t0, 4)}
