@@ -137,3 +137,11 @@ def test_the_engines_cached_token_count_is_read_when_it_says_it() -> None:
     assert cached_tokens(b'{"usage": {"prompt_tokens": 9}}') == 0
     assert cached_tokens(b"not json") == 0
     assert prefill_body("m", [1, 2])["max_tokens"] == 1
+
+
+def test_a_handoffs_blackout_is_its_switch_only() -> None:
+    from relocator.controller.relocations import BLACKOUT_PHASES, blackout_phases
+
+    assert blackout_phases({"transfer": "handoff"}) == ("SWITCH",)
+    assert blackout_phases({"transfer": "stream"}) == BLACKOUT_PHASES
+    assert blackout_phases({}) == BLACKOUT_PHASES

@@ -11,7 +11,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from relocator.controller import scheduling
+from relocator.controller import scheduling, transfers
 from relocator.controller.claims import Claims
 from relocator.controller.events import EventKind
 from relocator.controller.inventory import NodeInfo
@@ -26,6 +26,12 @@ log = logging.getLogger("relocator.controller")
 #: the phases in which a moving worker's new requests wait or its streams stall
 BLACKOUT_PHASES = ("HOLD", "DUMP", "TRANSFER", "RESTORE", "SWITCH")
 WAIT_EVERY_S = 0.1
+
+
+def blackout_phases(rel: dict) -> tuple[str, ...]:
+    """The phases of a finished move (a summary) its worker was blacked out in: its mode's."""
+    mode = transfers.STRATEGIES.get(rel.get("transfer"))  # type: ignore[arg-type]
+    return mode.blackout_phases if mode is not None else BLACKOUT_PHASES
 
 
 def env_faults() -> dict[str, Any]:
@@ -124,7 +130,7 @@ class RelocationManager:
                                 "error": str(exc), "phases": {}, "blackout_s": 0.0})
         for rid in started:
             r = self.wait(rid)
-            r["blackout_s"] = round(sum(v for k, v in r["phases"].items() if k in BLACKOUT_PHASES), 4)
+            r["blackout_s"] = round(sum(v for k, v in r["phases"].items() if k in blackout_phases(r)), 4)
             results.append(r)
         return results
 

@@ -41,6 +41,8 @@ class TransferStrategy:
     #: the mode freezes the source (HOLD, DUMP): False, the source serves on until SWITCH and a
     #: failure before it only removes the target copy (no resume, no router call back)
     freezes_source: ClassVar[bool] = True
+    #: the phases in which the worker's new requests wait or its streams stall (a move's blackout)
+    blackout_phases: ClassVar[tuple[str, ...]] = ("HOLD", "DUMP", "TRANSFER", "RESTORE", "SWITCH")
     #: the image was hashed byte by byte on arrival: RESTORE needs no second pass over it
     verified_on_arrival: ClassVar[bool] = False
     #: the source's image stays readable after RELEASE (a lost worker restarts from it warm)

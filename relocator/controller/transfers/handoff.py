@@ -107,6 +107,7 @@ def on_source(backend: Any, rel: "Relocation") -> int:
 class HandoffTransfer(TransferStrategy):
     mode = TransferMode.HANDOFF
     freezes_source = False
+    blackout_phases = ("SWITCH",)  # the source serves until the router switches
     calls = HandoffCalls
 
     def check(self, backend: Any, worker: "WorkerRecord", dst: str) -> None:
