@@ -5,7 +5,7 @@ Every reader answers "nothing" (False, [], None, 0) for a process that is gone o
 processes come and go between two calls, and callers treat that as the ordinary case.
 
 Code that runs under `python -S` (the post-copy keeper and pump) cannot import psutil and keeps
-its own few stdlib readers: see relocator/agent/postcopy_keeper.py.
+its own few stdlib readers: see relocator/agent/postcopy/keeper.py.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ wait, then SIGKILL); `until_async` is `until` for coroutines. An exception raise
 retried: it propagates at once, so a predicate can abort a wait (the process it waits for died).
 
 Code that runs under `python -S` (the post-copy keeper and pump) cannot import tenacity and keeps
-its own small loop: see relocator/agent/postcopy_keeper.py.
+its own small loop: see relocator/agent/postcopy/keeper.py.
 """
 
 from __future__ import annotations
