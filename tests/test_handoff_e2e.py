@@ -73,7 +73,8 @@ def test_handoff_moves_the_streams_without_freezing_the_source(relocator_cluster
     restore = _info(full, "RESTORE")
     assert restore["source_frozen_s"] == 0.0 and restore["warmup_rounds"] >= 1, restore
     assert restore["recomputed_tokens"] > 0, restore
-    assert _info(full, "SWITCH")["moved_streams"] >= 1  # streams were in flight and moved
+    switch = _info(full, "SWITCH")
+    assert switch["moved_streams"] >= 1, (switch, restore, _info(full, "RELEASE"), full["phases"])
     assert not full["image_dir"] and not full["dst_image_dir"]  # no image anywhere
     assert not any(c.startswith(worker) for c in _cells(ctl, src))  # the source copy is gone
 
