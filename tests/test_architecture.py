@@ -312,7 +312,6 @@ PROC_EXCEPTIONS = {
     "relocator.agent.pump": "stdlib-only corner (runs under python -S, no psutil)",
     "relocator.agent.postcopy.base": "stdlib-only corner (the keeper's, runs under python -S)",
     # its owner's change is in flight; procs.ns_inode("net", pid) is the replacement
-    "relocator.warm.capture": "pending: the net namespace inode of a warm capture",
 }
 
 
@@ -320,7 +319,7 @@ def test_no_proc_reading_outside_the_process_module():
     hits = {m: lines for m, lines in proc_strings(MODS).items() if m not in PROC_EXCEPTIONS}
     assert not hits, "/proc named outside relocator.procs (use it, or add a reasoned exception):\n" + (
         "\n".join(f"{m}: lines {lines}" for m, lines in sorted(hits.items())))
-    assert set(PROC_EXCEPTIONS) - set(proc_strings(MODS)) <= {"relocator.warm.capture"}, \
+    assert set(PROC_EXCEPTIONS) - set(proc_strings(MODS)) <= set(), \
         "an exception no longer needed: drop it"
 
 

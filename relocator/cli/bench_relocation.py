@@ -12,7 +12,7 @@ import typer
 
 from adapters.base import DEFAULT_ENGINE, Engine
 from relocator.cli import bench_app
-from relocator.cli.common import console, handle_errors, print_json
+from relocator.cli.common import console, handle_errors, print_json, stdout_for_json
 from relocator.choices import registry_choice
 from relocator.vocab import TransferMode
 
@@ -158,9 +158,10 @@ def bench_relocation(json_out: bool = typer.Option(False, "--json", help="print 
                                                        help="on N emulated hosts (own network and mount "
                                                        "namespaces, nothing shared; 3 or more), not the local cluster")) -> None:
     """Blackout, phases and token check of one live relocation vs a cold start."""
+    json_file = stdout_for_json() if json_out else None  # Ray's driver prints raylet errors there
     out = run_bench(streams, max_tokens, transfer.value, cluster_dir, engine.value, emulate_hosts, kv_pool_mb)
-    if json_out:
-        print_json(out)
+    if json_file is not None:
+        print_json(out, json_file)
         return
     for k, v in out.items():
         console.print(f"{k:32} {v}", highlight=False)

@@ -11,13 +11,13 @@ docs/images.md).
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from relocator.cell import devices
+from relocator import procs
 from relocator.cell.cell import Cell, CellError
 from relocator.snapshot import criu, cuda
 from relocator.snapshot.fingerprint import Fingerprint
@@ -44,7 +44,9 @@ def _dump_running(cell: Cell, image_dir, timings: dict[str, float]) -> None:
     if cuda.available():
         cuda_pids = cuda.checkpoint(cell.pids())
     try:
-        netns_inode = os.stat(f"/proc/{cell.init_pid}/ns/net").st_ino
+        netns_inode = procs.ns_inode("net", cell.init_pid)
+        if netns_inode is None:
+            raise CellError(f"cell {cell.id}: its network namespace is gone (the worker exited?)")
         dump_args, _ = devices.criu_external_args(devices.DeviceProfile.from_dict(cell.devices))
         t = time.monotonic()
         criu.dump(cell.init_pid, image_dir, netns_inode, leave_stopped=False, leave_running=True,
