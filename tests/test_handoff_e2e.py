@@ -6,6 +6,7 @@ source serving on untouched."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -97,8 +98,18 @@ def test_a_target_killed_before_the_switch_leaves_the_source_serving(relocator_c
                 return int(json.loads(cj.read_text())["init_pid"])
         return None
 
-    os.kill(until(target_init, 180, 0.05, what="the target copy's cell"), signal.SIGKILL)
-    mover.join(300)
+    # A warm start whose copy dies falls back to a cold start in the same cell (relocator/warm/
+    # launch.py): kill every copy the target starts until the move ends, so it cannot succeed.
+    killed: set[int] = set()
+    os.kill(first := until(target_init, 180, 0.05, what="the target copy's cell"), signal.SIGKILL)
+    killed.add(first)
+    while mover.is_alive():
+        pid = target_init()
+        if pid is not None and pid not in killed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            killed.add(pid)
+        mover.join(0.05)
     rel, load = out["relocation"], out["load"]
     assert rel["result"] == "rolled_back", rel
     _exact(load)  # the source served every stream, untouched

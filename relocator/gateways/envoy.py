@@ -96,7 +96,8 @@ class EnvoyProc(ChildServer):
         cfg.write_text(yaml.safe_dump(self.config, sort_keys=False))
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [binary, "-c", str(cfg), "--use-dynamic-base-id", "--log-level", "warn",
+            # no hot restart: it needs a shared-memory region per run, left behind in /dev/shm
+            [binary, "-c", str(cfg), "--disable-hot-restart", "--log-level", "warn",
              "--concurrency", "2"], stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True)
         log.close()
