@@ -15,8 +15,7 @@ import json
 import re
 from typing import Any
 
-from pydantic import BaseModel
-
+from adapters.base import EngineFingerprint
 from relocator.cell.devices import DeviceProfile
 from relocator.snapshot import criu
 from relocator.snapshot.fingerprint import Fingerprint
@@ -28,17 +27,10 @@ PER_INSTANCE = ("host", "port")
 _KEY = re.compile(r"^[a-z0-9][a-z0-9._-]{0,80}-[0-9a-f]{32}$")
 
 
-class WarmKind(BaseModel):
-    """What a warm image's key is computed from (kept beside the image, readable)."""
+class WarmKind(EngineFingerprint):
+    """What a warm image's key is computed from (kept beside the image, readable): the engine's
+    fingerprint and the device and host facts the restore gate compares."""
 
-    engine: str
-    engine_version: str
-    model_id: str
-    weight_sha256: str
-    dtype: str
-    max_model_len: int
-    tensor_parallel_size: int
-    pipeline_parallel_size: int
     gpu_count: int
     gpu_models: list[str]
     host_arch: str
@@ -64,9 +56,7 @@ def kind_of(fingerprint: Fingerprint, launch: dict[str, Any], devices: dict[str,
     engine, host = fingerprint.engine, fingerprint.host
     profile = DeviceProfile.from_dict(devices)
     return WarmKind(
-        engine=engine.engine, engine_version=engine.engine_version, model_id=engine.model_id,
-        weight_sha256=engine.weight_sha256, dtype=engine.dtype, max_model_len=engine.max_model_len,
-        tensor_parallel_size=engine.tensor_parallel_size, pipeline_parallel_size=engine.pipeline_parallel_size,
+        **engine.model_dump(),
         gpu_count=len(profile.gpus), gpu_models=[g.model for g in profile.gpus],
         host_arch=host.arch, host_cpu_model=host.cpu_model, host_gpu_driver=host.gpu.driver_version,
         host_cuda=host.gpu.cuda_version,
