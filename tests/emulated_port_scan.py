@@ -61,6 +61,7 @@ def _probe(h1, host: str, port: int, page: tuple[int, int]) -> dict:
 def _transfer_ports(h) -> dict[int, int]:
     """{TCP port: pid} of the transfer processes of host `h` listening now."""
     from relocator.cluster.emulate import host_pids
+    from tests.helpers import listening_ports
     from relocator.procs import cmdline
 
     pids = set()
@@ -70,13 +71,7 @@ def _transfer_ports(h) -> dict[int, int]:
                                                            or (argv[1:2] == ["dump"] and "--lazy-pages" in argv))
         if criu or "relocator.agent.pump" in argv or "relocator.agent.postcopy" in argv:
             pids.add(pid)
-    out = subprocess.run(["ip", "netns", "exec", h.netns, "ss", "-Htlnp"], capture_output=True, text=True).stdout
-    ports = {}
-    for line in out.splitlines():
-        for p in pids:
-            if f"pid={p}," in line:
-                ports[int(line.split()[3].rsplit(":", 1)[1])] = p
-    return ports
+    return listening_ports(pids, h.netns)
 
 
 def _a_lazy_page(pid: int) -> tuple[int, int]:

@@ -38,3 +38,18 @@ def workers(ctl) -> dict[str, dict]:
 def wait_for(pred, timeout: float = 120.0, what: str = "", poll: float = 0.5) -> None:
     """Until `pred()` holds; a TimeoutError naming `what` after `timeout` s."""
     waits.until(pred, timeout, every=poll, what=what or "a condition")
+
+
+def listening_ports(pids: set[int], netns: str | None = None) -> dict[int, int]:
+    """{TCP port in LISTEN state: its pid} for any of `pids` (ss -tlnp), in network namespace
+    `netns` (an emulated host's) or this one."""
+    import subprocess
+
+    cmd = ["ss", "-Htlnp"] if netns is None else ["ip", "netns", "exec", netns, "ss", "-Htlnp"]
+    out = subprocess.run(cmd, capture_output=True, text=True).stdout
+    ports = {}
+    for line in out.splitlines():
+        for p in pids:
+            if f"pid={p}," in line:
+                ports[int(line.split()[3].rsplit(":", 1)[1])] = p
+    return ports

@@ -18,6 +18,7 @@ import pytest
 
 from relocator import credentials
 from relocator.agent.postcopy import PSI, PS_IOV_GET
+from tests.helpers import listening_ports
 
 TLS_ALERT, TLS_HANDSHAKE = 0x15, 0x16
 
@@ -115,15 +116,6 @@ def test_page_server_drops_a_client_without_the_clusters_certificate(tmp_path: P
 
 
 # -- the port scan during real moves (the session's loopback cluster) ------------------------------
-def _listening_ports(pids: set[int]) -> dict[int, int]:
-    """{TCP port in LISTEN state: its pid} for any of `pids` (ss -tlnp)."""
-    out = subprocess.run(["ss", "-Htlnp"], capture_output=True, text=True).stdout
-    ports = {}
-    for line in out.splitlines():
-        for p in pids:
-            if f"pid={p}," in line:
-                ports[int(line.split()[3].rsplit(":", 1)[1])] = p
-    return ports
 
 
 def _a_lazy_page(pid: int) -> tuple[int, int]:
@@ -204,7 +196,7 @@ def test_port_scan_during_a_move_finds_no_transfer_port_that_serves(relocator_cl
 
     def scan() -> None:
         while not stop.is_set():
-            for port, pid in _listening_ports(_transfer_pids(base)).items():
+            for port, pid in listening_ports(_transfer_pids(base)).items():
                 if port not in seen:
                     try:
                         page = _a_lazy_page(pid)
