@@ -53,3 +53,14 @@ def listening_ports(pids: set[int], netns: str | None = None) -> dict[int, int]:
             if f"pid={p}," in line:
                 ports[int(line.split()[3].rsplit(":", 1)[1])] = p
     return ports
+
+
+def node_of(ctl, worker_id: str) -> str:
+    """The node the controller has `worker_id` on."""
+    return next(w["node"] for w in ctl.status()["workers"] if w["id"] == worker_id)
+
+
+def other_node(ctl, worker_id: str) -> str:
+    """An alive node other than the worker's with a GPU free (a move's target)."""
+    node = node_of(ctl, worker_id)
+    return next(n["id"] for n in ctl.status()["nodes"] if n["id"] != node and n["alive"] and n["gpus_free"] >= 1)

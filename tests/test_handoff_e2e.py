@@ -18,6 +18,7 @@ import pytest
 from relocator.cluster.scenario import relocate_under_load
 from relocator.cluster.streams import Reference, reference
 from relocator.waits import until
+from tests.helpers import node_of, other_node
 
 pytestmark = pytest.mark.integration
 MODEL = "tiny-llama"
@@ -34,15 +35,6 @@ def worker(relocator_cluster):
 @pytest.fixture(scope="module")
 def ref(relocator_cluster, worker) -> Reference:
     return asyncio.run(reference(relocator_cluster.router_url, MODEL, MAX_TOKENS, 8, 8))
-
-
-def _node_of(ctl, wid: str) -> str:
-    return next(w["node"] for w in ctl.status()["workers"] if w["id"] == wid)
-
-
-def _other(ctl, wid: str) -> str:
-    node = _node_of(ctl, wid)
-    return next(n["id"] for n in ctl.status()["nodes"] if n["id"] != node and n["alive"] and n["gpus_free"] >= 1)
 
 
 def _info(full: dict, phase: str) -> dict:
@@ -62,13 +54,13 @@ def _cells(ctl, node: str) -> set[str]:
 
 def test_handoff_moves_the_streams_without_freezing_the_source(relocator_cluster, worker, ref) -> None:
     ctl = relocator_cluster
-    src, dst = _node_of(ctl, worker), _other(ctl, worker)
+    src, dst = node_of(ctl, worker), other_node(ctl, worker)
     res = relocate_under_load(ctl, worker, dst, MODEL, concurrency=8, max_tokens=MAX_TOKENS, ref=ref,
                               transfer="handoff")
     rel, load = res["relocation"], res["load"]
     assert rel["result"] == "done", (rel.get("error"), rel.get("rollback"))
     _exact(load)
-    assert _node_of(ctl, worker) == dst
+    assert node_of(ctl, worker) == dst
     full = ctl.get_relocation(rel["id"])
     assert _info(full, "HOLD").get("skipped") and _info(full, "DUMP")["source_frozen_s"] == 0.0
     restore = _info(full, "RESTORE")
@@ -82,7 +74,7 @@ def test_handoff_moves_the_streams_without_freezing_the_source(relocator_cluster
 
 def test_a_target_killed_before_the_switch_leaves_the_source_serving(relocator_cluster, worker, ref) -> None:
     ctl = relocator_cluster
-    src, dst = _node_of(ctl, worker), _other(ctl, worker)
+    src, dst = node_of(ctl, worker), other_node(ctl, worker)
     out: dict = {}
     mover = threading.Thread(target=lambda: out.update(relocate_under_load(
         ctl, worker, dst, MODEL, concurrency=8, max_tokens=MAX_TOKENS, ref=ref, transfer="handoff")))
@@ -113,7 +105,7 @@ def test_a_target_killed_before_the_switch_leaves_the_source_serving(relocator_c
     rel, load = out["relocation"], out["load"]
     assert rel["result"] == "rolled_back", rel
     _exact(load)  # the source served every stream, untouched
-    assert _node_of(ctl, worker) == src
+    assert node_of(ctl, worker) == src
     full = ctl.get_relocation(rel["id"])
     assert "resume source" not in full["rollback"]["steps"] and "router back to source" not in full["rollback"]["steps"]
     assert full["dst_cell"] not in _cells(ctl, dst)  # nothing of the target left

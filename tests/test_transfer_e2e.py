@@ -16,6 +16,7 @@ import pytest
 
 from relocator.cluster.scenario import relocate_under_load
 from relocator.cluster.streams import Reference, reference
+from tests.helpers import node_of, other_node
 
 pytestmark = pytest.mark.integration
 MODEL = "tiny-llama"
@@ -34,18 +35,8 @@ def ref(relocator_cluster, worker) -> Reference:
     return asyncio.run(reference(relocator_cluster.router_url, MODEL, MAX_TOKENS, 8, 8))
 
 
-def _node_of(ctl, wid: str) -> str:
-    return next(w["node"] for w in ctl.status()["workers"] if w["id"] == wid)
-
-
-def _other(ctl, wid: str) -> str:
-    st = ctl.status()
-    node = _node_of(ctl, wid)
-    return next(n["id"] for n in st["nodes"] if n["id"] != node and n["alive"] and n["gpus_free"] >= 1)
-
-
 def _move(ctl, wid: str, ref: Reference, transfer: str) -> tuple[dict, dict]:
-    dst = _other(ctl, wid)
+    dst = other_node(ctl, wid)
     res = relocate_under_load(ctl, wid, dst, MODEL, concurrency=8, max_tokens=MAX_TOKENS, ref=ref,
                               transfer=transfer)
     rel, load = res["relocation"], res["load"]
@@ -53,7 +44,7 @@ def _move(ctl, wid: str, ref: Reference, transfer: str) -> tuple[dict, dict]:
     assert load["client_errors"] == 0, load["errors"]
     assert (load["tokens_lost"], load["tokens_duplicated"], load["tokens_mismatched"]) == (0, 0, 0)
     assert load["text_mismatched"] == 0, load["text_bad"]
-    assert _node_of(ctl, wid) == dst
+    assert node_of(ctl, wid) == dst
     return rel, ctl.get_relocation(rel["id"])
 
 
