@@ -44,14 +44,20 @@ def loopback_target(url: str) -> tuple[str, int]:
     return sorted(addrs)[0], port
 
 
-def listener_pid(port: int) -> int | None:
-    """PID of the process holding a listening TCP socket on `port` (psutil)."""
+def listener_pid(port: int, host: str | None = "127.0.0.1") -> int | None:
+    """PID of the process holding a listening TCP socket on `host`:`port` (psutil).
+
+    The address matters: a port the kernel handed out on 127.0.0.1 may also be listened on by
+    an unrelated process on another loopback address or on ::1 (a CI run found one). A
+    wildcard listener (0.0.0.0, ::) counts for any host; `host=None` matches every address."""
     try:
         conns = psutil.net_connections(kind="tcp")
     except (psutil.Error, OSError):
         return None
+    addrs = None if host is None else {host, "0.0.0.0", "::"}
     holders = sorted({c.pid for c in conns if c.status == psutil.CONN_LISTEN and c.laddr
-                      and c.laddr.port == port and c.pid is not None})
+                      and c.laddr.port == port and c.pid is not None
+                      and (addrs is None or c.laddr.ip in addrs)})
     if len(holders) > 1:
         # an inherited socket (the cluster daemon owns the router's listener and passes it to
         # the router child): the server is the holder whose parent also holds it
@@ -666,7 +672,7 @@ async def run_abuse(cfg: AbuseConfig) -> dict[str, Any]:
     if cfg.control:
         chost, cport = loopback_target(cfg.control)
     hosthdr = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
-    pid = cfg.pid or listener_pid(port)
+    pid = cfg.pid or listener_pid(port, host)
     model = cfg.model
     if model is None:
         async with aiohttp.ClientSession() as s:

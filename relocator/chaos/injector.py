@@ -9,6 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable
+from urllib.parse import urlsplit
 
 from relocator import waits
 from relocator.chaos.faults import Fault
@@ -226,7 +227,8 @@ class Injector:
         from relocator.cluster.local import read_info
 
         # the daemon records the router it runs (it also holds the listening socket itself)
-        pid = (read_info(self.base) or {}).get("router_pid") or listener_pid(int(self.ctl.router_url.rsplit(":", 1)[1]))
+        url = urlsplit(self.ctl.router_url)
+        pid = (read_info(self.base) or {}).get("router_pid") or listener_pid(url.port, url.hostname)
         if pid and _kill(pid, signal.SIGTERM):
             self._mark(router_pid=pid)
 
