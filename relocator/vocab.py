@@ -22,3 +22,12 @@ class TransferMode(Choice):
     HANDOFF = "handoff"
     # shared when both nodes see the image store, postcopy when both kernels allow it, else stream
     AUTO = "auto"
+
+
+class PreemptionRule(Choice):
+    """What a demand that does not fit does (relocator.controller.preemption, docs/scheduling.md)."""
+
+    PLACE_OR_WAIT = "place-or-wait"  # it waits in the queue: no moves, no preemption
+    EVICT_REQUEUE = "evict-requeue"  # lower priorities are killed and requeued (a cold start later)
+    SUSPEND_IN_PLACE = "suspend-in-place"  # lower priorities are stopped where they are, then continued
+    MOVES = "moves"  # live moves make room, else lower priorities are suspended to storage

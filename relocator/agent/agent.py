@@ -204,6 +204,14 @@ class NodeAgent(ModeOps):  # every transfer mode's ops (relocator.agent.modes)
             return {"image_dir": str(img.path), "bytes": img.bytes, "seconds": round(time.monotonic() - t0, 3),
                     "timings": img.manifest.timings, "pages": img.manifest.pages.value}
 
+    def signal(self, cell_id: str, sig: int) -> None:
+        """Send `sig` to every process of a cell (SIGSTOP: paused in place, preemption.InPlace;
+        `resume` continues it)."""
+        from relocator.cell.cell import load_cell
+
+        with self._lock(cell_id):
+            load_cell(cell_id).signal_tree(int(sig))
+
     def resume(self, cell_id: str) -> None:
         from relocator.cell.cell import load_cell
         from relocator.snapshot import resume_source

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from relocator.agent.transient import TransientImages
-from relocator.vocab import TransferMode
+from relocator.vocab import PreemptionRule, TransferMode
 from relocator.planner.policies import PlacementPolicy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,6 +62,11 @@ class ControllerSection(_Section):
     keep_last_image: bool = True
     # live moves a launch (or resume) may plan to make room; 0: a stock scheduler (place or wait)
     make_room_max_moves: int = Field(4, ge=0, le=64)
+    # what a launch (or resume) that does not fit does (docs/scheduling.md, preemption rules):
+    # moves (live moves, else suspend lower priorities to storage) | place-or-wait (queue only)
+    # | evict-requeue (kill lower priorities, cold-start them later) | suspend-in-place (stop them
+    # where they are; they continue there when their GPUs are free again)
+    preemption: PreemptionRule = PreemptionRule.MOVES
     consolidate: ConsolidateSection = ConsolidateSection()
     # where a stream/postcopy target keeps its image until the restore (relocator.agent.transient):
     # auto = a tmpfs with room for it (/dev/shm/relocator/...), else disk; tmpfs = always (a move

@@ -134,6 +134,9 @@ class AgentClient:
     def resume(self, node: str, cell_id: str) -> None:
         self.call(node, lambda a: a.resume.remote(cell_id), "resume")
 
+    def signal(self, node: str, cell_id: str, sig: int) -> None:
+        self.call(node, lambda a: a.signal.remote(cell_id, sig), "signal")
+
     def kill(self, node: str, cell_id: str) -> None:
         self.call(node, lambda a: a.kill.remote(cell_id), "kill")
 

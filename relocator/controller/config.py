@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from relocator.controller.model import TransferMode
+from relocator.vocab import PreemptionRule
 from relocator.controller.scheduling import DEFAULT_MAX_MOVES
 from relocator.planner.policies import PlacementPolicy
 
@@ -31,6 +32,7 @@ class ControllerConfig(BaseModel):
     keep_images: bool = False
     keep_last_image: bool = True
     make_room_max_moves: int = Field(DEFAULT_MAX_MOVES, ge=0)
+    preemption: PreemptionRule = PreemptionRule.MOVES  # what a demand that does not fit does (preemption.py)
     consolidate: Any = None  # periodic.PeriodicConsolidation validates it
     transient_images: Any = None  # backend validates it (TransientImages)
     handoff_window_s: float = Field(30.0, ge=0)  # docs/handoff.md

@@ -26,6 +26,7 @@ from relocator.controller.events import EventKind, EventLog
 from relocator.controller.inventory import NodeInfo, ray_nodes
 from relocator.controller.machine import Machine
 from relocator.controller.model import SuspendReason, WorkerState
+from relocator.controller.preemption import SetAside
 from relocator.controller.nodes import ORPHAN_AFTER_S, NodeManager, ray_placement_groups
 from relocator.controller.relocations import BLACKOUT_PHASES, RelocationManager, env_faults
 from relocator.controller.states import HOLDING_STATES
@@ -87,7 +88,7 @@ class Controller:
         self.nodes = NodeManager(store, backend, claims, emit, self.node_dir, cfg.node_names, list_nodes,
                                  placement_groups)
         self.demands = DemandManager(store, claims, emit, self.nodes.inventory, self.nodes.cordoned,
-                                     self.policy.value, cfg.make_room_max_moves)
+                                     self.policy.value, cfg.make_room_max_moves, rule=cfg.preemption)
         self.workers = WorkerManager(store, backend, claims, emit, self.router, self.demands.place,
                                      has_router=lambda: bool(self.router_control_url))
         self.suspensions = SuspensionManager(store, backend, claims, emit, self.router, self.node_dir,
@@ -96,9 +97,14 @@ class Controller:
                                              self.nodes.check_target, self.demands.view, self.transfer)
         self.drains = DrainManager(store, self.nodes.inventory, lambda: self.demands.view()[0], self.nodes.cordon,
                                    self.policy, self.relocations.relocate, self.suspensions.suspend)
+        # a demand's victims go as the preemption rule says (suspended, evicted, paused in place)
+        self.set_aside = SetAside(cfg.preemption, store, backend, claims, emit, self.router, self.demands.queue,
+                                  self.suspensions.suspend, free_gpus=lambda: {
+                                      n.id: n.gpus_free for n in self.nodes.inventory(refresh=True).values()
+                                      if n.alive})
         self.demands.seaters = Seaters(claim=self.workers.claim, start=self.workers.start_claimed,
                                        claim_resume=self.suspensions.claim, restore=self.suspensions.restore,
-                                       suspend=self.suspensions.suspend, run_moves=self.relocations.run_moves)
+                                       suspend=self.set_aside, run_moves=self.relocations.run_moves)
         self.periodic = PeriodicConsolidation(
             cfg.consolidate, plan=lambda k: self.consolidate(dry_run=True, max_moves=k),
             run=lambda k: self.consolidate(max_moves=k), busy=self.demands.busy)
@@ -184,7 +190,8 @@ class Controller:
         return [("update_nodes", self.nodes.update), ("update_workers", self.workers.update),
                 ("update_router", self.workers.update_router),
                 ("update_reservations", self.nodes.update_reservations), ("update_cells", self.nodes.update_cells),
-                ("update_deadlines", self.demands.update_deadlines), ("update_demands", self.demands.update),
+                ("update_deadlines", self.demands.update_deadlines), ("update_paused", self.set_aside.in_place.update),
+                ("update_demands", self.demands.update),
                 ("update_consolidation", self.periodic.update)]
 
     def reconcile_once(self) -> dict:

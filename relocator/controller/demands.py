@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from relocator.controller import scheduling
+from relocator.controller import preemption, scheduling
 from relocator.controller.claims import Claims, collect
 from relocator.controller.events import EventKind
 from relocator.controller.inventory import NodeInfo
@@ -44,9 +44,11 @@ class DemandManager:
     def __init__(self, store: Store, claims: Claims, emit: Callable[..., Any],
                  inventory: Callable[..., dict[str, NodeInfo]], cordoned: Callable[[], set[str]],
                  policy: str, max_moves: int, seaters: Seaters | None = None,
-                 spawn: Callable[..., None] | None = None) -> None:
+                 spawn: Callable[..., None] | None = None,
+                 rule: preemption.PreemptionRule = preemption.PreemptionRule.MOVES) -> None:
         self.store, self.claims, self.emit = store, claims, emit
         self.inventory, self.cordoned, self.policy, self.max_moves = inventory, cordoned, policy, max_moves
+        self.rule = preemption.PreemptionRule(rule)  # what a demand that does not fit does
         self.seaters = seaters  # set by the controller once every manager exists
         self.spawn = spawn or (lambda fn, todo: threading.Thread(target=fn, args=(todo,), name="demands",
                                                                  daemon=True).start())
@@ -73,6 +75,8 @@ class DemandManager:
             # its RESERVE): a pending demand must not take them meanwhile
             if r.result == RUNNING and r.dst in nodes:
                 held[r.dst] = held.get(r.dst, 0) + next((w.gpus for w in workers if w.id == r.worker), 0)
+        for node, gpus in preemption.kept(workers).items():  # paused in place: theirs when free again
+            held[node] = held.get(node, 0) + gpus
         cordoned = self.cordoned()  # nothing is planned onto them (scheduling.closed)
         view = [NodeView(n.id, n.gpus_total, max(0, min(n.gpus_free, n.gpus_total - held.get(n.id, 0))),
                          cordoned=n.id in cordoned)
@@ -95,6 +99,9 @@ class DemandManager:
         if not make_room:
             node = scheduling.fits(nodes, demand.gpus, self.policy, exclude=exclude)
             return Seating(node, reason="" if node else f"no node has {demand.gpus} free GPU(s)")
+        if self.rule is not preemption.PreemptionRule.MOVES:  # a stock scheduler's rule
+            return preemption.plan(self.rule, nodes, seats, demand.gpus, demand.priority, self.max_moves,
+                                   self.policy, exclude)
         seating = scheduling.make_room(nodes, seats, demand.gpus, max_moves=self.max_moves, policy=self.policy,
                                        exclude=exclude)
         if seating.node is None and any(scheduling.can_suspend(s, demand.priority) for s in seats):

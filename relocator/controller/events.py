@@ -39,7 +39,8 @@ class EventKind(Choice):
     DEMAND_PLACED = "demand_placed"  # demand, demand_kind, worker, node, moves, suspended, seconds
     ROOM_PLANNED = "room_planned"  # demand, node, moves [{worker, from, to}], suspends
     WORKER_SUSPENDED = "worker_suspended"  # worker, node, reason, image_bytes, sibling, seconds
-    WORKER_RESUMED = "worker_resumed"  # worker, node, seconds, suspended_s
+    WORKER_RESUMED = "worker_resumed"  # worker, node, seconds, suspended_s (in_place: a paused one)
+    WORKER_EVICTED = "worker_evicted"  # worker, node, reason, by, seconds (preemption: evict-requeue)
     WORKER_PREEMPTIBLE = "worker_preemptible"  # worker, node, deadline, priority: past its time limit
     SUSPEND_FAILED = "suspend_failed"  # worker, node, reason, error, failures, retry_in_s (its back-off)
     CONSOLIDATED = "consolidated"  # moves, nodes_freed, gpus_moved, results

@@ -77,6 +77,7 @@ class WorkerState(Choice):
     SUSPENDING = "suspending"  # being checkpointed to the image store
     SUSPENDED = "suspended"  # an image, no GPUs (a resume demand may be pending)
     RESUMING = "resuming"  # being restored from its image
+    PAUSED = "paused"  # stopped in its cell on its node (preemption: suspend-in-place), GPUs lent
 
 
 class SuspendReason(Choice):

@@ -17,7 +17,7 @@ HOLDING_STATES = frozenset({S.STARTING, S.RUNNING, S.RELOCATING, S.REPLACING, S.
 #: | LOST is written by machine.settle_worker and listed here too)
 EDGES: dict[WorkerState, frozenset[WorkerState]] = {
     S.STARTING: frozenset({S.RUNNING}),
-    S.RUNNING: frozenset({S.LOST, S.RELOCATING, S.SUSPENDING}),
+    S.RUNNING: frozenset({S.LOST, S.RELOCATING, S.SUSPENDING, S.PAUSED}),
     S.RELOCATING: frozenset({S.RUNNING, S.LOST}),
     S.LOST: frozenset({S.REPLACING, S.FAILED}),
     S.REPLACING: frozenset({S.RUNNING, S.FAILED, S.LOST}),
@@ -25,6 +25,7 @@ EDGES: dict[WorkerState, frozenset[WorkerState]] = {
     S.SUSPENDED: frozenset({S.RESUMING}),
     S.RESUMING: frozenset({S.RUNNING, S.SUSPENDED}),
     S.FAILED: frozenset(),
+    S.PAUSED: frozenset({S.RUNNING}),  # continued in place (preemption.InPlace)
 }
 
 
