@@ -157,3 +157,43 @@ def test_plan_cost_and_blackout_rates():
 def test_bad_node_state_is_refused():
     with pytest.raises(ValueError, match="valid"):
         NodeSnap.whole("n1", 4, 4, "sleeping")  # type: ignore[arg-type]
+
+
+# -- on the controller (its managers on fakes: no Ray) -------------------------------------------
+def _controller(tmp_path, nodes):
+    from relocator.controller.controller import Controller
+    from tests.test_controller_managers import Agents, Events
+
+    c = Controller.without_ray({"base_dir": tmp_path}, Agents(), Events(), nodes)
+    c.reconcile_once()  # the agents report their GPUs: the nodes are registered
+    return c
+
+
+def test_controller_why_status_and_the_launch_refusal(tmp_path):
+    from relocator.controller.inventory import NodeInfo
+    from relocator.controller.model import Demand, DemandKind
+    from tests.test_controller_managers import worker
+
+    nodes = {"n1": NodeInfo("n1", "r1", 4, 2), "n2": NodeInfo("n2", "r2", 4, 2)}
+    c = _controller(tmp_path, nodes)
+    for wid, node in (("w1", "n1"), ("w2", "n2")):
+        c.store.save_worker(worker(wid, node, 2))
+    # more GPUs than any node has: refused at launch, nothing queued
+    with pytest.raises(ValueError, match="can never fit: the largest node, n1, has 4"):
+        c.launch("tiny-llama", gpus=8)
+    assert c.store.demands() == []
+    # a 4-GPU demand queued behind 2 + 2 free GPUs: fragmentation, with the one-move plan
+    c.demands.queue(Demand(id="d4", kind=DemandKind.LAUNCH, model="m", gpus=4), "no node has 4 free GPU(s)")
+    why = c.why("d4")
+    assert why["cause"] == "fragmentation" and why["state"] == "pending"
+    assert [ch["check"] for ch in why["checks"]] == ["fits_at_all", "nodes", "priority", "room"]
+    assert why["free"] == {"n1": [1.0, 1.0, 0.0, 0.0], "n2": [1.0, 1.0, 0.0, 0.0]}
+    assert why["plan"]["cost"]["moves"] == 1 and why["plan"]["node"] in ("n1", "n2")
+    st = c.status()
+    assert [p["id"] for p in st["pending"]] == ["d4"] and st["pending"][0]["why"]["cause"] == "fragmentation"
+    # a lost node comes first
+    nodes["n3"] = NodeInfo("n3", "r3", 0, 0, alive=False)
+    c.nodes.inventory(refresh=True)
+    assert c.why("d4")["checks"][1]["evidence"]["unavailable"][0]["id"] == "n3"
+    with pytest.raises(KeyError, match="unknown demand 'nope'"):
+        c.why("nope")

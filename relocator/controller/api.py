@@ -91,6 +91,12 @@ class ControllerClient:
         """Drop a pending demand."""
         return self._call("cancel", demand, timeout=60)
 
+    def why(self, demand: str) -> dict:
+        """Why a demand waits: cause (never_fits, nodes, priority, fragmentation, capacity,
+        fits_now), each check with its evidence, the free GPUs per node, the plan and its cost.
+        KeyError: no such demand."""
+        return self._call("why", demand, timeout=60)
+
     def relocate(self, worker: str, to: str | None = None, transfer: str | None = None,
                  faults: dict | None = None, wait: bool = True) -> dict:
         return self._call("relocate", worker, to, transfer, faults, wait)

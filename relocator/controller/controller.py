@@ -108,6 +108,21 @@ class Controller:
         self.periodic = PeriodicConsolidation(
             cfg.consolidate, plan=lambda k: self.consolidate(dry_run=True, max_moves=k),
             run=lambda k: self.consolidate(max_moves=k), busy=self.demands.busy)
+        self._wire_why()
+
+    def _wire_why(self) -> None:
+        """`why` (relocator/controller/explain.py): its inputs, and the launch refusal of a
+        request that can never fit."""
+        from relocator.controller.explain import Explainer
+
+        store = self.store
+        self.explainer = Explainer(
+            demands=store.demands, inventory=self.nodes.inventory, view=self.demands.view, cordoned=self.cordoned,
+            registered=lambda: {d["id"] for d in store.all("node") if "gpus" in d and "id" in d},
+            lost_since=lambda: dict(self.nodes.lost),
+            plan=lambda d: self.demands.plan_seating(d, make_room=True).to_dict(),
+            expected=lambda: (self.config.node_names or {}).values())
+        self.demands.refuse = self.explainer.refusal
 
     def _start(self) -> None:
         """A restarted controller first finishes the relocations it left open (their workers are
@@ -246,6 +261,12 @@ class Controller:
         """Drop a pending demand (a suspended worker stays suspended: `resume` or `stop` it)."""
         return self.demands.cancel(demand_id)
 
+    def why(self, demand_id: str) -> dict:
+        """Why a demand waits, the ordinary causes ruled out first, then fragmentation with the
+        free GPUs per node and the plan that would seat it (relocator/controller/why.py).
+        KeyError: no such demand."""
+        return self.explainer.why(demand_id)
+
     def stop_worker(self, worker_id: str) -> dict:
         return self.workers.stop(worker_id, cancel=self.demands.cancel)
 
@@ -289,7 +310,7 @@ class Controller:
             "router_control_url": self.router_control_url,
             "nodes": [{**n.to_dict(), "lost_at": self.nodes.lost.get(n.id)} for n in nodes.values()],
             "workers": [worker_status(w, now) for w in self.store.workers()],
-            "pending": self.pending(),
+            "pending": self.explainer.annotate(self.pending()),  # each with its `why`
             "cordoned": sorted(self.cordoned()),
             "relocations": [r.summary() for r in self.store.relocations()],
             "controller": {**self.ping(), "loop": self.loop_stats, "consolidation": self.periodic.last},

@@ -50,6 +50,8 @@ class DemandManager:
         self.inventory, self.cordoned, self.policy, self.max_moves = inventory, cordoned, policy, max_moves
         self.rule = preemption.PreemptionRule(rule)  # what a demand that does not fit does
         self.seaters = seaters  # set by the controller once every manager exists
+        #: why a request can never fit on this cluster (why.never_fits; None: it may), set by the controller
+        self.refuse: Callable[[float], str | None] | None = None
         self.spawn = spawn or (lambda fn, todo: threading.Thread(target=fn, args=(todo,), name="demands",
                                                                  daemon=True).start())
         self._retrying = threading.Event()
@@ -160,6 +162,9 @@ class DemandManager:
         if int(gpus) < 1:
             raise ValueError(f"gpus must be >= 1, not {gpus}")
         faults = check_faults({**(faults or {})}) if faults else None
+        never = self.refuse(float(gpus)) if self.refuse is not None else None
+        if never:  # more GPUs (or a bigger share) than any node has: refused, never queued forever
+            raise ValueError(never)
         if model in ("tiny", "tiny-llama"):
             model_dir, served = str(ensure_tiny_model()), "tiny-llama"
         else:

@@ -176,7 +176,7 @@ def never_fits(gpus: float, nodes: Iterable[NodeSnap]) -> str | None:
         return None
     if any(n.big_enough(gpus) for n in nodes):
         return None
-    big = max(nodes, key=lambda n: (n.gpus_total or 0, n.id))
+    big = min(nodes, key=lambda n: (-(n.gpus_total or 0), n.id))  # the largest, the first by name
     if gpus < 1.0:
         return f"{fmt_gpus(gpus)} can never fit: no node has a GPU"
     return (f"{fmt_gpus(gpus)} can never fit: the largest node, {big.id}, has {big.gpus_total} "
