@@ -107,6 +107,31 @@ class NodeAgent(ModeOps):  # every transfer mode's ops (relocator.agent.modes)
 
         return [g.to_dict() for g in local_gpus()]
 
+    # -- health: NVML facts and node notices for the policies (relocator.agent.health) ---------
+    def _health(self):
+        if getattr(self, "_health_reader", None) is None:
+            from relocator.agent.health import HealthReader
+
+            self._health_reader = HealthReader(self.node, self.state_dir.parent)
+        return self._health_reader
+
+    def health(self) -> dict[str, Any]:
+        """Each GPU's health (Xids, pending row remaps, ECC, heat) and this node's notice, if any."""
+        return self._health().read()
+
+    def set_notice(self, at: float | None, reason: str = "") -> dict[str, Any] | None:
+        """Write (or, with `at` None, remove) this node's notice: "it goes away at `at`"."""
+        from relocator.agent.health import clear_notice, write_notice
+
+        if at is None:
+            clear_notice(self.state_dir.parent)
+            return None
+        return write_notice(self.state_dir.parent, at, reason)
+
+    def clear_gpu(self, index: int) -> None:
+        """GPU `index` was reset: forget its Xids."""
+        self._health().clear(index)
+
     def cells(self) -> list[dict[str, Any]]:
         from relocator.cell.cell import list_cells
 

@@ -94,6 +94,15 @@ class AgentClient:
     def gpus(self, node: str, timeout: float = 30) -> list[dict]:
         return self.call(node, lambda a: a.gpus.remote(), "gpus", timeout)
 
+    def health(self, node: str, timeout: float = 10) -> dict:
+        return self.call(node, lambda a: a.health.remote(), "health", timeout)
+
+    def set_notice(self, node: str, at: float | None, reason: str = "") -> dict | None:
+        return self.call(node, lambda a: a.set_notice.remote(at, reason), "set_notice", 30)
+
+    def clear_gpu(self, node: str, index: int) -> None:
+        self.call(node, lambda a: a.clear_gpu.remote(index), "clear_gpu", 30)
+
     def cells(self, node: str, timeout: float = 60) -> list[dict]:
         return self.call(node, lambda a: a.cells.remote(), "cells", timeout)
 

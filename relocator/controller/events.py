@@ -48,6 +48,10 @@ class EventKind(Choice):
     WORKER_STATE = "worker_state"  # worker, node, from, to, why
     # how a start went (issue 28): how (warm: restored from its kind's image | cold), key, reason, capture
     WORKER_STARTED = "worker_started"  # worker, node, cell, how, key, reason, capture, seconds
+    # policies (docs/policies.md): what a policy planned when it fired, how it went; GPU health
+    POLICY_PLANNED = "policy_planned"  # policy, trigger, action, firing, steps, move_s, short_by_s
+    POLICY_OUTCOME = "policy_outcome"  # policy, firing, results, ok, met_deadline, seconds
+    GPU_HEALTH = "gpu_health"  # node, gpu, from, to (healthy | draining | ready_for_reset | failed), why
 
 
 def json_line_logger(path: Path | None) -> None:

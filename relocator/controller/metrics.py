@@ -58,6 +58,7 @@ class ControllerCollector:
         rels = self.store.relocations()
         workers = self.store.workers()
         yield from self.relocation_metrics(rels)
+        yield from self.policy_metrics(self.store)
         yield from self.worker_metrics(workers, {r.engine for r in rels if r.engine})
         yield from self.demand_metrics(self.store.demands(), workers)
         try:
@@ -148,6 +149,21 @@ class ControllerCollector:
         for (state, engine), n in sorted(counts.items()):
             g.add_metric([state, engine], n)
         yield g
+
+    @staticmethod
+    def policy_metrics(store: Store) -> Iterator[Metric]:
+        """Policies' steps by outcome, and GPUs by health state (relocator.policies, stored)."""
+        acts = CounterMetricFamily("relocator_policy_actions", "Steps policies took, by policy, action and result",
+                                   labels=["policy", "action", "result"])
+        for row in store.all("policy_actions"):
+            acts.add_metric([row["policy"], row["action"], row["result"]], row["n"])
+        yield acts
+        gpus = GaugeMetricFamily("relocator_gpu_health", "GPUs that are not healthy, by node, GPU and state "
+                                 "(draining: no new placement; ready_for_reset; failed)",
+                                 labels=["node", "gpu", "state"])
+        for g in store.all("gpu_health"):
+            gpus.add_metric([g["node"], str(g["gpu"]), g["state"]], 1)
+        yield gpus
 
     @staticmethod
     def node_metrics(nodes: dict[str, NodeInfo]) -> Iterator[Metric]:

@@ -59,6 +59,11 @@ class PolicyEngine:
         self._install(*load(doc))
         return self.listing()
 
+    def reload(self) -> dict:
+        """The policies file's policies again (none without a file)."""
+        self._install(*(load_file(self.path) if self.path is not None and self.path.is_file() else ([], [])))
+        return self.listing()
+
     def listing(self) -> dict:
         return {"file": str(self.path) if self.path else None,
                 "policies": [{**s.model_dump(mode="json"), "set": s.model_dump(mode="json", exclude_defaults=True),
