@@ -1,20 +1,25 @@
-"""The scheduling benchmark's day runner against a fake controller (no cluster): a launch the
-stock scheduler refuses is tried again, a queued one waits to be seated, a stop retries while busy."""
+"""The scheduling benchmark's day runner against a fake controller (no cluster): every arm
+queues a launch that does not fit and waits for it to be seated, a refused launch is a failure,
+a stop retries while busy; the figures (idle GPU-seconds, work lost, the comparison) are pure."""
 
 from __future__ import annotations
 
 import time
 
-from relocator.bench.scheduling import Day, Outcome, Step
+import pytest
+
+from relocator.bench.scheduling import ARMS, Day, Outcome, Step, compare, idle_while_waiting, work_lost
+from relocator.cluster.streams import RequestResult
 
 
 class FakeCtl:
     def __init__(self, refusals: int = 0, pending: bool = False, busy: int = 0) -> None:
         self.refusals, self.pending, self.busy = refusals, pending, busy
-        self.launches, self.stops, self.state = 0, 0, "pending"
+        self.launches, self.stops, self.state, self.make_room = 0, 0, "pending", []
 
     def launch(self, model, gpus, make_room, **kw):
         self.launches += 1
+        self.make_room.append(make_room)
         if self.launches <= self.refusals:
             raise RuntimeError("no node has 2 free GPUs")
         return {"state": "pending" if self.pending else "running"}
@@ -29,30 +34,25 @@ class FakeCtl:
             raise RuntimeError("busy: a move")
 
 
-def _day(ctl, moves=False) -> Day:
-    d = Day(ctl, moves=moves, engine="vllm", scale=0.001, log=lambda _m: None)
+def _day(ctl, rule="place-or-wait") -> Day:
+    d = Day(ctl, rule, engine="vllm", scale=0.001, log=lambda _m: None)
     d.t0 = time.monotonic()
     return d
 
 
-def test_a_refused_stock_launch_is_tried_again_until_it_serves():
-    ctl = FakeCtl(refusals=1)
+@pytest.mark.parametrize("rule", ARMS)
+def test_every_arm_queues_and_serves_once_seated(rule):
+    ctl = FakeCtl(pending=True)
     o = Outcome(Step("a", 0, 2, 1e9))
-    _day(ctl)._launch(o)
-    assert ctl.launches == 2 and o.attempts == 2 and o.served is not None and o.error == "" and o.done.is_set()
+    _day(ctl, rule)._launch(o)
+    assert o.served is not None and o.attempts == 1 and ctl.make_room == [True]  # queued, never polled
 
 
-def test_a_queued_launch_serves_once_seated():
-    o = Outcome(Step("a", 0, 2, 1e9))
-    _day(FakeCtl(pending=True))._launch(o)
-    assert o.served is not None and o.attempts == 1
-
-
-def test_a_refusal_with_moves_is_a_failure_not_a_retry():
+def test_a_refused_launch_is_a_failure_not_a_retry():
     ctl = FakeCtl(refusals=5)
     o = Outcome(Step("a", 0, 2, 1e9))
-    _day(ctl, moves=True)._launch(o)
-    assert ctl.launches == 1 and o.served is None and "no node" in o.error
+    _day(ctl)._launch(o)
+    assert ctl.launches == 1 and o.served is None and "no node" in o.error and o.done.is_set()
 
 
 def test_a_stop_while_busy_is_tried_again():
@@ -61,3 +61,36 @@ def test_a_stop_while_busy_is_tried_again():
     o.done.set()
     _day(ctl)._stop_worker(o)
     assert ctl.stops == 2 and o.stopped
+
+
+def test_an_unknown_rule_is_refused():
+    with pytest.raises(ValueError, match="valid: place-or-wait"):
+        Day(FakeCtl(), "cancel", "vllm", 1.0, print)
+
+
+def test_idle_gpu_seconds_count_only_while_something_waits():
+    # 3 free for 2 s while waiting, then 1 free for 1 s not waiting, then 2 free for 1 s waiting
+    assert idle_while_waiting([(0.0, 3, True), (2.0, 1, False), (3.0, 2, True), (4.0, 0, True)]) == 8.0
+    assert idle_while_waiting([(0.0, 4, True)]) == 0.0
+
+
+def test_work_lost_is_the_tokens_failed_requests_had_received():
+    ok = RequestResult(0, 0, tokens=[1, 2, 3])
+    cut = RequestResult(1, 0, tokens=[4, 5], error="upstream broke")
+    never = RequestResult(1, 1, error="HTTP 503")
+    assert work_lost([ok, cut, never]) == {"failed_requests": 2, "tokens_of_work_lost": 2}
+
+
+def test_the_comparison_takes_the_best_stock_arm_and_checks_the_targets():
+    arm = lambda p99, failed=0, lost=0: {"wait_s_p99": p99, "failed_requests": failed,  # noqa: E731
+                                         "tokens_of_work_lost": lost}
+    out = {"place-or-wait": arm(60.0), "evict-requeue": arm(30.0, 2, 40), "suspend-in-place": arm(45.0),
+           "moves": arm(10.0)}
+    c = compare(out)
+    assert c["best_stock_arm"] == "evict-requeue" and c["p99_best_stock_over_moves"] == 3.0
+    assert c["target_p99_moves_le_third_of_best_stock"] and c["target_moves_no_failed_requests_no_work_lost"]
+    assert c["evict_requeue_loses_work"]
+    out["moves"] = arm(12.0, 1, 5)
+    c = compare(out)
+    assert not c["target_p99_moves_le_third_of_best_stock"] and not c["target_moves_no_failed_requests_no_work_lost"]
+    assert compare({"moves": arm(1.0)}) == {}

@@ -1,10 +1,20 @@
-"""`relocator bench scheduling`: one scripted day on the local cluster, run twice.
+"""`relocator bench scheduling`: one scripted day on the local cluster, once per preemption rule.
 
-`with_moves`: the controller makes room (the planner's fewest live moves), preempts lower
-priorities by suspending them, requeues at time limits and resumes when capacity returns.
-`without_moves`: a stock scheduler on the same day (place or wait): the controller plans no
-move (`make_room_max_moves: 0`) and launches never make room or preempt (`make_room=False`);
-a launch that does not fit is retried every second until it fits.
+Each arm is the controller run with `controller.preemption` set to its rule
+(relocator.controller.preemption), on a fresh local cluster, the same day, arrivals and streams:
+
+- `place-or-wait`: a queue, no moves, no preemption;
+- `evict-requeue`: a higher priority (or a demand meeting a worker past its time limit) kills
+  the victim and requeues it as a launch that cold-starts later (Kubernetes / KAI, Slurm REQUEUE);
+- `suspend-in-place`: the victim is stopped in place and continues there when its GPUs are free
+  again (Slurm SUSPEND,GANG);
+- `moves`: live moves make room, else the victim is suspended to the image store and resumed
+  anywhere compatible.
+
+Every arm queues a launch that does not fit (the controller's pending demands, retried by its
+reconcile loop). The stock arms run the router as a stock gateway would (`continuation: false`:
+it retries before the first byte only), so a stream whose worker is killed fails as its client
+would see it; the moves arm runs the product's router (streams continued across a move).
 
 The day (times are seconds of the compressed day, `scale` stretches them): 3 nodes x 4 GPUs,
 a fragmented start (one 1-GPU worker on each node), then launches of 1, 2 and 4 GPUs at two
@@ -19,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -28,6 +39,7 @@ from typing import Any, Callable
 
 from relocator import waits
 from relocator.controller.controller import BLACKOUT_PHASES
+from relocator.vocab import PreemptionRule
 
 MODEL = "tiny-llama"
 
@@ -60,8 +72,22 @@ DAY: tuple[Step, ...] = (
     Step("j", 100, 1, 125),
 )
 DAY_END = 140.0
+#: `--quick`: the day's first half (both 4-GPU launches, both priorities, one time limit), 70 s
+QUICK: tuple[Step, ...] = (
+    Step("a", 5, 2, 50),
+    Step("b", 10, 4, 45),
+    Step("c", 15, 1, 65, time_limit_s=15),
+    Step("d", 20, 2, 55, priority=1),
+    Step("e", 25, 4, 60, priority=1),
+    Step("f", 30, 1, 60),
+)
+QUICK_END = 70.0
 STREAMS = 2
 MAX_TOKENS = 32
+#: the arms, in the order they run: the stock rules, then ours
+ARMS = (PreemptionRule.PLACE_OR_WAIT.value, PreemptionRule.EVICT_REQUEUE.value,
+        PreemptionRule.SUSPEND_IN_PLACE.value, PreemptionRule.MOVES.value)
+SAMPLE_S = 1.0  # how often the idle-GPU sampler reads the controller (seconds of the day)
 
 
 @dataclass
@@ -83,13 +109,28 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(xs[k], 3)
 
 
-class Day:
-    """One run of the day against a started cluster `ctl`."""
+def idle_while_waiting(samples: list[tuple[float, int, bool]]) -> float:
+    """GPU-seconds idle while something waited: from (time, free GPUs, anything waiting)
+    samples, each interval counted by its starting sample."""
+    return round(sum(free * (b[0] - a_t) for (a_t, free, waiting), b in zip(samples, samples[1:]) if waiting), 3)
 
-    def __init__(self, ctl: Any, moves: bool, engine: str, scale: float, log: Callable[[str], None]) -> None:
-        self.ctl, self.moves, self.engine, self.scale, self.log = ctl, moves, engine, scale, log
+
+def work_lost(results: list[Any]) -> dict[str, int]:
+    """Client-visible failed requests and the tokens they had already been sent (work lost)."""
+    bad = [r for r in results if r.error]
+    return {"failed_requests": len(bad), "tokens_of_work_lost": sum(len(r.tokens) for r in bad)}
+
+
+class Day:
+    """One run of the day against a started cluster `ctl` whose controller has `rule`."""
+
+    def __init__(self, ctl: Any, rule: str, engine: str, scale: float, log: Callable[[str], None],
+                 day: tuple[Step, ...] = DAY, day_end: float = DAY_END) -> None:
+        self.ctl, self.rule, self.engine, self.scale, self.log = ctl, PreemptionRule(rule), engine, scale, log
+        self.day, self.day_end = day, day_end
         self.t0 = 0.0
-        self.out = {s.id: Outcome(s) for s in DAY}
+        self.out = {s.id: Outcome(s) for s in day}
+        self.samples: list[tuple[float, int, bool]] = []
         self._stop = threading.Event()
 
     def now(self) -> float:
@@ -108,35 +149,29 @@ class Day:
         s = o.step
         self._sleep_until(s.at)
         o.requested = time.monotonic()
-        try:  # until it serves, is given up, or its stop time comes (a try a second)
-            waits.settle(lambda: o.stopped or self.now() >= s.stop or self._attempt(o), None, every=1.0)
+        try:
+            self._attempt(o)
         except Exception as exc:  # noqa: BLE001 - recorded as a launch failure
             o.error = str(exc)
         finally:
             o.done.set()
 
-    def _attempt(self, o: Outcome) -> bool:
-        """One launch: True when done (it serves, or its pending demand was not seated in time),
-        False to try again (the stock scheduler: nothing fits)."""
+    def _attempt(self, o: Outcome) -> None:
+        """One launch: it serves at once, or it is queued (a pending demand) and the controller
+        seats it by its rule before the step's stop time, or it fails."""
         s = o.step
         o.attempts += 1
-        kw = dict(worker_id=s.id, engine=self.engine, priority=s.priority, time_limit=s.time_limit_s)
-        try:
-            res = self.ctl.launch(MODEL, s.gpus, make_room=self.moves, **kw)
-        except RuntimeError as exc:
-            if self.moves or "exists" in str(exc):
-                raise
-            o.error = str(exc)
-            return False
+        res = self.ctl.launch(MODEL, s.gpus, make_room=True, worker_id=s.id, engine=self.engine,
+                              priority=s.priority, time_limit=s.time_limit_s)
         if res.get("state") == "pending":  # queued: the reconcile loop seats it
             waits.settle(lambda: o.stopped or self.now() >= s.stop or self._state(s.id) == "running", None,
                          every=0.5)
             if self._state(s.id) != "running":
-                return True
+                o.error = "not seated before its stop"
+                return
         o.served, o.error = time.monotonic(), ""
-        self.log(f"{'moves' if self.moves else 'stock'} t={self.now():.0f}: {s.id} ({s.gpus} GPU, "
-                 f"p{s.priority}) serves after {o.served - o.requested:.1f}s")
-        return True
+        self.log(f"{self.rule.value} t={self.now():.0f}: {s.id} ({s.gpus} GPU, p{s.priority}) serves after "
+                 f"{(o.served - o.requested) / self.scale:.1f}s")
 
     def _stop_worker(self, o: Outcome) -> None:
         self._sleep_until(o.step.stop)
@@ -153,6 +188,17 @@ class Day:
             return False
         return True
 
+    def _sample(self) -> None:
+        """Free GPUs (Ray's view) and whether any demand waits, every SAMPLE_S of the day."""
+        while not self._stop.is_set() and self.now() < self.day_end:
+            try:
+                st = self.ctl.status()
+                free = sum(int(n.get("gpus_free", 0)) for n in st.get("nodes", []) if n.get("alive", True))
+                self.samples.append((self.now(), free, bool(st.get("pending"))))
+            except Exception as exc:  # noqa: BLE001 - a missed sample, not a failed day
+                self.log(f"sample: {exc}")
+            self._stop.wait(SAMPLE_S * self.scale)
+
     def run(self) -> dict:
         from relocator.cluster.streams import Load, reference
 
@@ -165,104 +211,135 @@ class Day:
         self.t0 = time.monotonic()
         threads = [threading.Thread(target=fn, args=(o,), daemon=True)
                    for o in self.out.values() for fn in (self._launch, self._stop_worker)]
+        threads.append(threading.Thread(target=self._sample, daemon=True))
         for t in threads:
             t.start()
-        self._sleep_until(DAY_END)
+        self._sleep_until(self.day_end)
         for t in threads:
             t.join(300)
-        suspended_at_end = [w["id"] for w in ctl.status()["workers"] if w["state"] == "suspended"]
+        t_end = time.monotonic()
+        suspended_at_end = [w["id"] for w in ctl.status()["workers"] if w["state"] in ("suspended", "paused")]
         load.stop()
-        rep = load.report()
+        rep = load.report(window=(self.t0, t_end))
         for wid, _ in BASE:
             try:
                 ctl.stop_worker(wid)
             except Exception as exc:  # noqa: BLE001
                 self.log(f"stopping {wid}: {exc}")
-        events = list(ctl.events(since=cursor, kinds=["worker_suspended", "relocation_finished", "worker_resumed"],
-                                 idle_timeout=2.0, wait_s=1.0))
+        events = list(ctl.events(since=cursor, kinds=["worker_suspended", "relocation_finished", "worker_resumed",
+                                                      "worker_evicted"], idle_timeout=2.0, wait_s=1.0))
+        return {**self.figures(events, rep, load.results), "suspended_at_end": suspended_at_end}
+
+    def figures(self, events: list[dict], rep: dict, results: list[Any]) -> dict:
+        """The arm's figures from its outcomes, the controller's events and the streams."""
         moves = [e for e in events if e["kind"] == "relocation_finished" and e.get("result") == "done"]
-        blackouts = [sum(v for k, v in (e.get("phases") or {}).items() if k in BLACKOUT_PHASES) for e in moves]
+        phases = [sum(v for k, v in (e.get("phases") or {}).items() if k in BLACKOUT_PHASES) for e in moves]
+        set_aside = [e for e in events if e["kind"] == "worker_evicted" or
+                     (e["kind"] == "worker_suspended" and e.get("by"))]
         multi = [o for o in self.out.values() if o.step.gpus >= 2]
-        waits = [((o.served if o.served is not None else o.requested + (o.step.stop - o.step.at) * self.scale)
-                  - o.requested) / self.scale for o in multi]
+        wait = [((o.served if o.served is not None else o.requested + (o.step.stop - o.step.at) * self.scale)
+                 - o.requested) / self.scale for o in multi]
         by_gpus: dict[int, list[float]] = {}
-        for o, w in zip(multi, waits):
+        for o, w in zip(multi, wait):
             by_gpus.setdefault(o.step.gpus, []).append(w)
         failures = [o for o in self.out.values() if o.served is None]
         return {
+            "rule": self.rule.value,
             "launches": len(self.out),
             "launch_failures": len(failures),
-            "wait_s_p50": _pct(waits, 50),
-            "wait_s_p99": _pct(waits, 99),
-            "wait_s_max": round(max(waits), 3) if waits else None,
+            "wait_s_p50": _pct(wait, 50),
+            "wait_s_p99": _pct(wait, 99),
+            "wait_s_max": round(max(wait), 3) if wait else None,
             "waits_by_gpus": {g: {"launches": len(v), "served": sum(1 for o in multi if o.step.gpus == g
                                                                      and o.served is not None),
                                   "wait_s_p50": _pct(v, 50), "wait_s_max": round(max(v), 3)}
                               for g, v in sorted(by_gpus.items())},
+            "preemptions": len(set_aside),
+            "preemptions_by_reason": {r: sum(1 for e in set_aside if e.get("reason") == r)
+                                      for r in sorted({e.get("reason") for e in set_aside})},
+            "evictions": sum(1 for e in events if e["kind"] == "worker_evicted"),
             "suspends": sum(1 for e in events if e["kind"] == "worker_suspended"),
             "resumes": sum(1 for e in events if e["kind"] == "worker_resumed"),
             "moves": len(moves),
             "moves_failed": sum(1 for e in events if e["kind"] == "relocation_finished" and e.get("result") != "done"),
-            "blackout_max_s": round(max(blackouts), 3) if blackouts else 0.0,
+            **work_lost(results),
+            "gpu_s_idle_while_waiting": idle_while_waiting(self.samples),
+            "client_blackout_max_s": rep["blackout_max_s"],  # the longest gap any stream saw
+            "move_blackout_phases_max_s": round(max(phases), 3) if phases else 0.0,
             "tokens_lost": rep["tokens_lost"],
             "tokens_duplicated": rep["tokens_duplicated"],
             "tokens_mismatched": rep["tokens_mismatched"],
             "text_mismatched": rep["text_mismatched"],
             "client_errors": rep["client_errors"],
             "requests": rep["requests"],
-            "suspended_at_end": suspended_at_end,
-            "waits_s": {o.step.id: round(((o.served or 0) - o.requested) / self.scale, 3) if o.served else None
+            "waits_s": {o.step.id: round((o.served - o.requested) / self.scale, 3) if o.served else None
                         for o in self.out.values()},
             "failures": {o.step.id: o.error[:200] for o in failures},
             "errors": rep["errors"],
         }
 
 
-RUNS = (("with_moves", True), ("without_moves", False))
-
-
-def one_run(key: str, base_dir: str, engine: str, scale: str | float) -> dict:
-    """One day (`key`: with_moves or without_moves) on a local cluster of its own; logs to stderr."""
+def one_run(rule: str, base_dir: str, engine: str, scale: str | float, quick: str = "0") -> dict:
+    """One day under `rule` on a local cluster of its own; logs to stderr. A stock rule's router
+    does not continue broken streams (RELOCATOR_ROUTER_CONTINUATION, set by `run`)."""
     import relocator
     from relocator.cluster.config import LocalConfig
 
-    moves = dict(RUNS)[key]
-    cfg = LocalConfig.load(None, cluster={"nodes": 3, "gpus_per_node": 4, "base_dir": f"{base_dir}/{key}"},
-                           controller={"make_room_max_moves": 4 if moves else 0})
+    rule = PreemptionRule(rule).value
+    moves = rule == PreemptionRule.MOVES
+    cfg = LocalConfig.load(None, cluster={"nodes": 3, "gpus_per_node": 4, "base_dir": f"{base_dir}/{rule}"},
+                           controller={"make_room_max_moves": 4 if moves else 0, "preemption": rule})
     t = time.monotonic()
     ctl = relocator.start(cfg)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    day, end = (QUICK, QUICK_END) if quick in ("1", "True", "true") else (DAY, DAY_END)
     try:
-        say(f"{key}: cluster up in {time.monotonic() - t:.1f}s; the day starts")
-        return Day(ctl, moves, engine, float(scale), say).run()
+        say(f"{rule}: cluster up in {time.monotonic() - t:.1f}s; the day starts")
+        return Day(ctl, rule, engine, float(scale), say, day, end).run()
     finally:
         ctl.down()
 
 
+def compare(out: dict[str, dict]) -> dict:
+    """The moves arm against the best stock arm (the lowest multi-GPU wait p99), and the targets."""
+    stock = {k: v for k, v in out.items() if k != PreemptionRule.MOVES and v.get("wait_s_p99") is not None}
+    m = out.get(PreemptionRule.MOVES.value)
+    if not stock or m is None:
+        return {}
+    best = min(stock, key=lambda k: stock[k]["wait_s_p99"])
+    ratio = round(stock[best]["wait_s_p99"] / m["wait_s_p99"], 2) if m.get("wait_s_p99") else None
+    ev = out.get(PreemptionRule.EVICT_REQUEUE.value, {})
+    return {"best_stock_arm": best, "p99_best_stock_over_moves": ratio,
+            "target_p99_moves_le_third_of_best_stock": ratio is not None and ratio >= 3.0,
+            "target_moves_no_failed_requests_no_work_lost": m["failed_requests"] == 0
+            and m["tokens_of_work_lost"] == 0,
+            "evict_requeue_loses_work": bool(ev) and ev.get("tokens_of_work_lost", 0) > 0}
+
+
 def run(base_dir: str = "/var/lib/relocator/bench-scheduling", engine: str = "reference", scale: float = 1.0,
-        log: Callable[[str], None] = print, runs: tuple[str, ...] = ("with_moves", "without_moves")) -> dict:
-    """The day with moves, then without; each on a fresh local cluster (3 nodes x 4 GPUs)."""
+        log: Callable[[str], None] = print, arms: tuple[str, ...] = ARMS, quick: bool = False) -> dict:
+    """The day once per rule in `arms`; each on a fresh local cluster (3 nodes x 4 GPUs)."""
+    arms = tuple(PreemptionRule(a).value for a in arms)  # an unknown rule: ValueError naming them
     out: dict[str, Any] = {}
     t_all = time.monotonic()
-    for key, _ in (r for r in RUNS if r[0] in runs):
-        # each run in a process of its own: a fresh Ray driver per cluster (a second cluster
+    for rule in (a for a in ARMS if a in arms):
+        # each arm in a process of its own: a fresh Ray driver per cluster (a second cluster
         # in the same driver was seen refusing its first call)
+        env = {**os.environ, "RELOCATOR_ROUTER_CONTINUATION": "true" if rule == PreemptionRule.MOVES else "false"}
         t = time.monotonic()
         proc = subprocess.run([sys.executable, "-c", "import sys, json; from relocator.bench.scheduling import "
-                               "one_run; print(json.dumps(one_run(*sys.argv[1:5])))", key, base_dir, engine,
-                               str(scale)], stdout=subprocess.PIPE, text=True)
+                               "one_run; print(json.dumps(one_run(*sys.argv[1:6])))", rule, base_dir, engine,
+                               str(scale), "1" if quick else "0"], stdout=subprocess.PIPE, text=True, env=env)
         if proc.returncode != 0:
-            raise RuntimeError(f"the {key} run failed (exit {proc.returncode}); see its log above")
-        out[key] = json.loads(proc.stdout.strip().splitlines()[-1])
-        out[key]["seconds"] = round(time.monotonic() - t, 1)
-        log(f"{key}: {out[key]}")
-    if len(out) == 2:
-        a, b = out["with_moves"], out["without_moves"]
-        out["ratio_wait_without_over_with"] = {
-            k: (round(b[k] / a[k], 1) if a[k] and b[k] is not None else None)
-            for k in ("wait_s_p50", "wait_s_p99", "wait_s_max")}
-    out["day"] = {"nodes": 3, "gpus_per_node": 4, "engine": engine, "scale": scale, "day_s": DAY_END,
-                  "base": [w for w, _ in BASE], "launches": [s.__dict__ for s in DAY], "streams": STREAMS,
-                  "max_tokens": MAX_TOKENS}
+            raise RuntimeError(f"the {rule} run failed (exit {proc.returncode}); see its log above")
+        out[rule] = json.loads(proc.stdout.strip().splitlines()[-1])
+        out[rule]["router_continuation"] = rule == PreemptionRule.MOVES
+        out[rule]["seconds"] = round(time.monotonic() - t, 1)
+        log(f"{rule}: {out[rule]}")
+    out["comparison"] = compare(out)
+    day, end = (QUICK, QUICK_END) if quick else (DAY, DAY_END)
+    out["day"] = {"nodes": 3, "gpus_per_node": 4, "engine": engine, "scale": scale, "day_s": end, "quick": quick,
+                  "base": [w for w, _ in BASE], "launches": [s.__dict__ for s in day], "streams": STREAMS,
+                  "max_tokens": MAX_TOKENS, "arms": list(arms)}
     out["seconds"] = round(time.monotonic() - t_all, 1)
     return out

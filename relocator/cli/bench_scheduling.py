@@ -1,5 +1,5 @@
-"""`relocator bench scheduling`: one scripted day with moves and with moves disabled (a stock
-scheduler: place or wait), side by side (relocator.bench.scheduling)."""
+"""`relocator bench scheduling`: one scripted day once per preemption rule (place-or-wait,
+evict-requeue, suspend-in-place, moves), side by side (relocator.bench.scheduling)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,29 @@ from rich.table import Table
 
 from adapters.base import Engine
 from relocator.cli import bench_app
-from relocator.cli.common import console, err, handle_errors, print_json
+from relocator.cli.common import choice_list, console, err, handle_errors, print_json
 
-ROWS = ("launches", "launch_failures", "wait_s_p50", "wait_s_p99", "wait_s_max", "suspends", "resumes", "moves",
-        "moves_failed", "blackout_max_s", "tokens_lost", "client_errors", "requests", "suspended_at_end", "seconds")
+ROWS = ("launches", "launch_failures", "wait_s_p50", "wait_s_p99", "wait_s_max", "preemptions", "evictions",
+        "suspends", "resumes", "moves", "moves_failed", "failed_requests", "tokens_of_work_lost",
+        "gpu_s_idle_while_waiting", "client_blackout_max_s", "tokens_lost", "requests", "suspended_at_end",
+        "seconds")
+ALL_ARMS = "place-or-wait,evict-requeue,suspend-in-place,moves"
+
+
+def _arms(value: str) -> tuple[str, ...]:
+    """The rules of `--arms` (ValueError naming the valid ones; none named: ValueError)."""
+    from relocator.vocab import PreemptionRule
+
+    arms = tuple(PreemptionRule(a.strip()).value for a in value.split(",") if a.strip())
+    if not arms:
+        raise ValueError(f"--arms names no rule; valid: {ALL_ARMS}")
+    return arms
+
+
+def _rules() -> tuple[str, ...]:
+    from relocator.vocab import PreemptionRule
+
+    return PreemptionRule.values()
 
 
 @bench_app.command("scheduling")
@@ -24,22 +43,28 @@ def bench_scheduling(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
     engine: Engine = typer.Option(Engine.REFERENCE, help="the workers' engine (reference: ready in ~1.5 s)"),
     scale: float = typer.Option(1.0, min=0.25, max=20.0, help="stretch the day's clock (1: a 140 s day)"),
+    arms: str = typer.Option(ALL_ARMS, "--arms", help="the preemption rules to run, comma-separated",
+                             callback=choice_list(_arms, _rules)),
+    quick: bool = typer.Option(False, "--quick", help="the day's first half (70 s): 6 launches"),
     cluster_dir: str = typer.Option("/var/lib/relocator/bench-scheduling", "--cluster-dir",
-                                    help="where the two local clusters live"),
+                                    help="where each arm's local cluster lives"),
 ) -> None:
-    """Launch waits, failures, suspends, moves and blackouts on one scripted day, with live moves
-    and without (multi-GPU waits are for launches of 2 or more GPUs)."""
+    """Launch waits, failures, preemptions, failed requests, work lost, idle GPUs and the
+    blackout clients saw, on one scripted day, once per preemption rule (the controller's
+    `preemption` setting; multi-GPU waits are for launches of 2 or more GPUs)."""
     from relocator.bench.scheduling import run
 
-    res = run(cluster_dir, engine.value, scale, log=lambda m: err.print(f"[dim]{m}[/]", highlight=False))
+    chosen = _arms(arms)
+    res = run(cluster_dir, engine.value, scale, log=lambda m: err.print(f"[dim]{m}[/]", highlight=False),
+              arms=chosen, quick=quick)
     if json_out:
         print_json(res)
         return
     t = Table(title="relocator bench scheduling")
     t.add_column("")
-    t.add_column("with moves", justify="right")
-    t.add_column("without moves (stock)", justify="right")
+    for a in chosen:
+        t.add_column(a, justify="right")
     for k in ROWS:
-        t.add_row(k, str(res["with_moves"][k]), str(res["without_moves"][k]))
+        t.add_row(k, *(str(res[a].get(k)) for a in chosen))
     console.print(t)
-    console.print(f"multi-GPU waits, without / with moves: {res['ratio_wait_without_over_with']}", highlight=False)
+    console.print(f"moves vs the best stock arm: {res['comparison']}", highlight=False)
