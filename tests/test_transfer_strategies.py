@@ -44,6 +44,23 @@ def test_auto_takes_the_first_possible_mode(shared, info, mode, why) -> None:
     assert (chosen.mode, reason) == (mode, why)
 
 
+@pytest.mark.parametrize("gpu_node", ["n1", "n2"])
+def test_auto_never_picks_postcopy_on_gpu_nodes(gpu_node) -> None:
+    """cuda restore inside RESTORE reads every checkpointed page: post-copy gains nothing there,
+    so `auto` takes stream and says why; an explicit postcopy is still checked as before."""
+    info = {"n1": dict(OK), "n2": dict(OK)}
+    info[gpu_node]["nvidia_gpus"] = 8
+    chosen, reason = transfers.choose(Nodes(False, info), W, "n2", "auto")
+    side = "source" if gpu_node == "n1" else "target"
+    assert chosen.mode is TransferMode.STREAM
+    assert f"no post-copy on GPU nodes ({side} has 8 NVIDIA GPU(s))" in reason
+    assert "cuda restore reads all checkpointed device memory inside RESTORE" in reason
+    assert transfers.choose(Nodes(False, info), W, "n2", "postcopy")[0].mode is TransferMode.POSTCOPY
+    # Ray's fake GPU counts are not NVIDIA GPUs: a CPU node reports none and keeps post-copy
+    assert transfers.choose(Nodes(False, {"n1": {**OK, "nvidia_gpus": 0}, "n2": OK}), W, "n2", "auto")[0].mode \
+        is TransferMode.POSTCOPY
+
+
 def test_an_explicit_mode_is_checked_not_resolved() -> None:
     nodes = Nodes(True, {"n1": OK, "n2": NO_UFFD})
     assert transfers.choose(nodes, W, "n2", "stream")[0].mode is TransferMode.STREAM

@@ -13,7 +13,7 @@ _WHERE = {
     "ImageError": "manifest", "Manifest": "manifest",
     **{name: "snapshot" for name in (
         "Image", "IncompatibleImage", "RestoreTarget", "SnapshotError", "VerifyMode", "compatibility_report",
-        "dump", "dump_lazy", "inspect_image", "restore", "resume_source")},
+        "dump", "dump_lazy", "inspect_image", "restore", "resume_source", "source_frozen")},
 }
 
 __all__ = sorted(_WHERE)

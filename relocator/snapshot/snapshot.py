@@ -129,6 +129,20 @@ def _check_dumpable(cell: Cell, image_dir: Path) -> None:
         raise SnapshotError(f"cell {cell.id} has no launch record; cannot fingerprint its engine")
 
 
+def _cuda_checkpoint(cell: Cell, progress: Progress, timings: dict[str, float]) -> list[int]:
+    """Lock and checkpoint the cell's CUDA processes (GPU hosts only). Their pids are written to
+    cuda_pids.json before the first lock, so `resume_source` finds them whatever fails later;
+    a failing lock or checkpoint unlocks what it locked before it raises."""
+    record = cell.dir / "cuda_pids.json"
+    if not cuda.available():
+        return []
+    progress("cuda-checkpoint", None)
+    t = time.monotonic()
+    pids = cuda.checkpoint(cell.pids(), record=lambda found: record.write_text(json.dumps(found)))
+    timings["cuda_checkpoint_s"] = time.monotonic() - t
+    return pids
+
+
 def _dump(cell: Cell, image_dir: Path, progress: Progress, run_criu: Callable[[int, list[str]], Any],
           pages: PagesMode) -> tuple[Image, Any]:
     """The dump around CRIU: fingerprint, CUDA checkpoint, `run_criu(netns_inode, extra_args)`,
@@ -141,29 +155,24 @@ def _dump(cell: Cell, image_dir: Path, progress: Progress, run_criu: Callable[[i
     fingerprint = fingerprint_of(cell)
     timings["fingerprint_s"] = time.monotonic() - t0
     shm_before = _shm_files(cell)
-    cuda_pids: list[int] = []
-    if cuda.available():
-        progress("cuda-checkpoint", None)
-        t = time.monotonic()
-        cuda_pids = cuda.checkpoint(cell.pids())
-        timings["cuda_checkpoint_s"] = time.monotonic() - t
+    cuda_pids = _cuda_checkpoint(cell, progress, timings)
     progress("criu dump", None)
-    netns_inode = procs.ns_inode("net", cell.init_pid)
-    if netns_inode is None:
-        raise CellError(f"cell {cell.id} is gone (no net namespace for init pid {cell.init_pid})")
-    dump_args, _ = devices.criu_external_args(devices.DeviceProfile.from_dict(cell.devices))
-    t = time.monotonic()
     try:
+        netns_inode = procs.ns_inode("net", cell.init_pid)
+        if netns_inode is None:
+            raise CellError(f"cell {cell.id} is gone (no net namespace for init pid {cell.init_pid})")
+        dump_args, _ = devices.criu_external_args(devices.DeviceProfile.from_dict(cell.devices))
+        t = time.monotonic()
         result = run_criu(netns_inode, dump_args)
-    except criu.CriuError:
-        if cuda_pids:
-            cuda.restore(cuda_pids)
+        timings["criu_dump_s"] = time.monotonic() - t
+    except BaseException:
+        # CRIU lets the tasks run again when it fails: so must their CUDA state
+        if cuda_pids and cuda.resume(cuda_pids) == []:
+            (cell.dir / "cuda_pids.json").unlink(missing_ok=True)
         raise
-    timings["criu_dump_s"] = time.monotonic() - t
     # CRIU links unlinked files (semaphores) back under their names and, with --leave-stopped,
     # leaves those links behind; they must go before the source is resumed or dumped again.
     (cell.dir / "link_remaps.json").write_text(json.dumps(sorted(_shm_files(cell) - shm_before)))
-    (cell.dir / "cuda_pids.json").write_text(json.dumps(cuda_pids))
     progress("checksums", 0.0)
     t = time.monotonic()
     total = sum(p.stat().st_size for p in image_dir.iterdir() if p.is_file())
@@ -232,13 +241,25 @@ def resume_source(cell: Cell) -> None:
                 pass
         remaps.unlink()
     criu.unlock_network(cell.netns)
+    # SIGCONT before the CUDA restore: the driver does a restore with a thread of the process
+    # itself, which cannot run while the process is stopped (CRIU's own CUDA plugin resumes
+    # that thread for the same reason); a locked process that runs only waits in CUDA calls.
+    cell.resume()
     cuda_file = cell.dir / "cuda_pids.json"
     if cuda_file.exists():
-        pids = json.loads(cuda_file.read_text())
-        if pids:
-            cuda.restore(pids)
+        left = cuda.resume(json.loads(cuda_file.read_text()))
+        if left:
+            raise SnapshotError(f"cell {cell.id} runs again but its CUDA state does not: " + "; ".join(left))
         cuda_file.unlink()
-    cell.resume()
+
+
+def source_frozen(cell: Cell) -> list[str]:
+    """Why `cell`, left by a dump, is not frozen (empty: it is): each of its processes stopped,
+    each CUDA process of the dump (cuda_pids.json) still checkpointed. A source must stay so
+    from DUMP until RELEASE or the rollback's resume; one that fails this has run."""
+    cuda_file = cell.dir / "cuda_pids.json"
+    cuda_pids = json.loads(cuda_file.read_text()) if cuda_file.exists() else []
+    return cuda.frozen_problems(cell.pids(), cuda_pids)
 
 
 def inspect_image(image_dir: Path, verify: bool = False) -> Image:
@@ -394,7 +415,7 @@ def restore(image: Image | Path, target: RestoreTarget | None = None, progress: 
     if cuda.available():
         progress("cuda restore", None)
         moved = [g.uuid for g in source_gpus.gpus] != [g.uuid for g in target_gpus.gpus]
-        cuda.restore([p for p in cell.pids() if cuda.cuda_state(p) == "checkpointed"],
+        cuda.restore([p for p, s in cuda.contexts(cell.pids()).items() if s == cuda.CudaState.CHECKPOINTED],
                      device_map=devices.device_map(source_gpus, target_gpus) if moved else None)
     (cdir / "restore_timings.json").write_text(json.dumps(
         {**marks, "verified_by": verified_by, "criu_restore_s": time.monotonic() - t, "total_s": time.monotonic() - t0}))

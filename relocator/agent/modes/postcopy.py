@@ -20,13 +20,16 @@ class PostcopyOps(ModeBase):
     def transfer_info(self) -> dict[str, Any]:
         """What this node can do for each transfer mode (`transfer: auto`, preflight)."""
         from relocator.snapshot import criu
+        from relocator.snapshot.fingerprint import gpu_info
 
         uffd = criu.feature("uffd-noncoop")
         pipes = criu.lazy_dump_pipes()
         dirty = criu.feature("mem_dirty_track")
         return {"address": transfer_address(), "images_dir": str(self.images_dir),
                 "uffd_noncoop": list(uffd), "lazy_dump_pipes": list(pipes), "mem_dirty_track": list(dirty),
-                "postcopy": uffd[0] and pipes[0]}
+                "postcopy": uffd[0] and pipes[0],
+                # real NVIDIA GPUs (NVML; Ray's fake counts are not): `auto` never picks post-copy here
+                "nvidia_gpus": gpu_info().count}
 
     def dump_lazy(self, cell_id: str, image_dir: str) -> dict[str, Any]:
         """`transfer: postcopy`, source side: dump all but the memory, keep the tree frozen and

@@ -19,6 +19,17 @@ if TYPE_CHECKING:
 SOURCE_END_S = 30.0
 
 
+#: why `auto` never picks post-copy when either node has NVIDIA GPUs (docs/gpu.md)
+GPU_NO_GAIN = ("cuda restore reads all checkpointed device memory inside RESTORE, so every lazy page "
+               "is faulted in during the blackout and post-copy gains nothing over stream")
+
+
+def gpu_nodes(src_info: dict, dst_info: dict) -> list[str]:
+    """Which of the two nodes (agents' transfer_info) have real NVIDIA GPUs."""
+    return [f"{side} has {int(info.get('nvidia_gpus') or 0)} NVIDIA GPU(s)"
+            for side, info in (("source", src_info), ("target", dst_info)) if int(info.get("nvidia_gpus") or 0) > 0]
+
+
 def postcopy_problems(src_info: dict, dst_info: dict) -> list[str]:
     """Why a post-copy from the node of `src_info` to that of `dst_info` (agents'
     transfer_info) cannot run; empty: it can."""
@@ -78,7 +89,11 @@ class PostcopyTransfer(TransferStrategy):
         return postcopy_problems(backend.transfer_info(worker.node), backend.transfer_info(dst))
 
     def available(self, backend: Any, worker: "WorkerRecord", dst: str) -> tuple[bool, str]:
-        problems = self.problems(backend, worker, dst)
+        src_info, dst_info = backend.transfer_info(worker.node), backend.transfer_info(dst)
+        gpus = gpu_nodes(src_info, dst_info)
+        if gpus:  # the rule for GPU nodes: an explicit `transfer: postcopy` still runs
+            return False, f"no post-copy on GPU nodes ({', '.join(gpus)}): {GPU_NO_GAIN}"
+        problems = postcopy_problems(src_info, dst_info)
         if problems:
             return False, "no post-copy: " + "; ".join(problems)
         return True, "both kernels support post-copy"
