@@ -197,3 +197,41 @@ def test_controller_why_status_and_the_launch_refusal(tmp_path):
     assert c.why("d4")["checks"][1]["evidence"]["unavailable"][0]["id"] == "n3"
     with pytest.raises(KeyError, match="unknown demand 'nope'"):
         c.why("nope")
+
+
+def test_the_http_api_answers_why_and_404s_json(tmp_path):
+    import json
+    import urllib.error
+    import urllib.request
+
+    from relocator.controller.httpapi import ApiServer
+    from relocator.controller.store import Store
+
+    def why(d):
+        if d != "d4":
+            raise KeyError(f"unknown demand {d!r}")
+        return {"cause": "fragmentation", "demand": {"id": d}}
+
+    store = Store(tmp_path / "c.db")
+    api = ApiServer(store, why, lambda: [{"id": "d4", "why": why("d4")}])
+    try:
+        def get(path):
+            try:
+                with urllib.request.urlopen(api.url + path, timeout=10) as r:
+                    return r.status, r.headers["Content-Type"], json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                return e.code, e.headers["Content-Type"], json.loads(e.read())
+
+        assert get("/v1/why/d4") == (200, "application/json", {"cause": "fragmentation", "demand": {"id": "d4"}})
+        code, ctype, body = get("/v1/why/nope")
+        assert (code, ctype, body) == (404, "application/json", {"error": "unknown demand 'nope'"})
+        assert get("/v1/pending")[2]["pending"][0]["why"]["cause"] == "fragmentation"
+        assert get("/v1/other")[0] == 404
+        assert store.get("meta", "api") == {"port": api.port}
+    finally:
+        api.close()
+    again = ApiServer(store, why, list)  # a restarted controller answers on the same port
+    try:
+        assert again.port == api.port
+    finally:
+        again.close()

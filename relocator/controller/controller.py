@@ -49,6 +49,7 @@ class Controller:
         ports = BackendPorts(self.inventory, self.node_dir, self.place, self.router, self.store.worker, self.config.get)
         self._wire(RayBackend(ports), lambda kind, **fields: self.event_log.emit(kind, fields))
         self.metrics = self._serve_metrics()
+        self.api = self._serve_api()
         self._start()
         self.init_s = round(time.time() - self.started_at, 3)
 
@@ -123,6 +124,19 @@ class Controller:
             plan=lambda d: self.demands.plan_seating(d, make_room=True).to_dict(),
             expected=lambda: (self.config.node_names or {}).values())
         self.demands.refuse = self.explainer.refusal
+
+    def _serve_api(self):
+        """The controller's read-only HTTP API (relocator/controller/httpapi.py: /v1/why/<demand>,
+        /v1/pending), beside /metrics; None if it cannot listen: it never keeps the controller from
+        running."""
+        from relocator.controller.httpapi import ApiServer
+
+        try:
+            return ApiServer(self.store, self.why, lambda: self.explainer.annotate(self.pending()),
+                             host=self.config.metrics_host)
+        except Exception as exc:  # noqa: BLE001
+            log.error("controller api not served: %s", exc)
+            return None
 
     def _start(self) -> None:
         """A restarted controller first finishes the relocations it left open (their workers are
@@ -311,6 +325,7 @@ class Controller:
             "nodes": [{**n.to_dict(), "lost_at": self.nodes.lost.get(n.id)} for n in nodes.values()],
             "workers": [worker_status(w, now) for w in self.store.workers()],
             "pending": self.explainer.annotate(self.pending()),  # each with its `why`
+            "api": self.api.url if getattr(self, "api", None) else None,  # GET /v1/why/<demand>
             "cordoned": sorted(self.cordoned()),
             "relocations": [r.summary() for r in self.store.relocations()],
             "controller": {**self.ping(), "loop": self.loop_stats, "consolidation": self.periodic.last},
