@@ -173,7 +173,7 @@ class PolicyEngine:
             t0 = self.clock()
             results: list[dict] = []
             try:
-                results = self.runner.run(spec.name, f, steps, parallel, transfer)
+                results = self.runner.run(spec.name, f, steps, parallel, transfer, ctx.move_s)
             except Exception as exc:  # noqa: BLE001 - reported as the outcome
                 results = [{"result": "failed", "detail": str(exc)}]
             finally:

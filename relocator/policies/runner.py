@@ -51,6 +51,7 @@ def count(store: Any, policy: str, action: str, result: str) -> None:
 @dataclass
 class _Moves:
     todo: list[Step]
+    move_s: float = 0.0
     running: dict[str, Step] = field(default_factory=dict)  # relocation id -> its step
     results: list[dict] = field(default_factory=list)
 
@@ -61,15 +62,16 @@ class Runner:
         self.ports, self.clock, self.sleep = ports, clock, sleep
 
     def run(self, policy: str, firing: Firing, steps: list[Step], parallel: int = 4,
-            transfer: str | None = None) -> list[dict]:
-        """Every step, in order: cordons, then moves (deadline-aware), then the rest."""
+            transfer: str | None = None, move_s: float = 0.0) -> list[dict]:
+        """Every step, in order: cordons, then moves (deadline-aware: a move that would not end
+        before the deadline, `move_s` being what one takes, is a suspend instead), then the rest."""
         out: list[dict] = []
         for s in [s for s in steps if s.op == "cordon"]:
             out.append(self._one(policy, s, lambda s=s: self.ports.cordon(s.node, s.args.get("until"))))
         moves = [s for s in steps if s.op == "move"]
         moves.sort(key=lambda s: (not s.fits_deadline, -s.priority))
         if moves:
-            out += self._moves(policy, firing, moves, parallel, transfer)
+            out += self._moves(policy, firing, moves, parallel, transfer, move_s)
         for s in [s for s in steps if s.op not in ("cordon", "move")]:
             out.append(self._one(policy, s, self._op(s)))
         return out
@@ -95,8 +97,8 @@ class Runner:
         return {**s.to_dict(), "result": result, "detail": _brief(detail)}
 
     def _moves(self, policy: str, firing: Firing, moves: list[Step], parallel: int,
-               transfer: str | None) -> list[dict]:
-        run = _Moves(todo=list(moves))
+               transfer: str | None, move_s: float) -> list[dict]:
+        run = _Moves(todo=list(moves), move_s=move_s)
         until(lambda: self._round(policy, firing, run, parallel, transfer), None, every=POLL_S,
               what=f"policy {policy}'s moves", sleep=self.sleep)
         return run.results
@@ -104,7 +106,7 @@ class Runner:
     def _round(self, policy: str, firing: Firing, run: _Moves, parallel: int, transfer: str | None) -> bool:
         while run.todo and len(run.running) < parallel:
             s = run.todo.pop(0)
-            if firing.deadline is not None and self.clock() >= firing.deadline:  # too late: set aside
+            if firing.deadline is not None and self.clock() + run.move_s > firing.deadline:  # too late: set aside
                 run.results.append(self._one(policy, Step("suspend", worker=s.worker, node=s.node,
                                                           priority=s.priority), lambda s=s: self.ports.suspend(s.worker)))
                 continue
