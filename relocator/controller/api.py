@@ -54,7 +54,7 @@ class ControllerClient:
     def launch(self, model: str = "tiny-llama", gpus: int = 1, node: str | None = None,
                worker_id: str | None = None, engine: str | None = None, *, priority: int = 0,
                time_limit: str | float | None = None, make_room: bool = True, dry_run: bool = False,
-               faults: dict | None = None) -> dict:
+               faults: dict | None = None, labels: dict[str, str] | None = None) -> dict:
         """Start a worker; makes room with live moves (or, for a higher `priority`, suspends
         lower-priority workers) when no node has `gpus` free GPUs. Returns the worker, or
         {"id", "state": "pending", "demand"} when it must wait (the controller starts it when
@@ -62,7 +62,19 @@ class ControllerClient:
         stock scheduler (RuntimeError when nothing fits). `time_limit`: 90, "90s", "15m", "2h";
         past it the worker is preemptible (suspended only when a demand or a drain needs its GPUs)."""
         return self._call("launch", model, gpus, node, worker_id, engine, priority, time_limit, make_room,
-                          dry_run, faults)
+                          dry_run, faults, labels)
+
+    def policies(self, dry_run: bool = False) -> dict:
+        """The loaded policies and the invalid ones; `dry_run`: what each would do now."""
+        return self._call("list_policies", dry_run, timeout=60)
+
+    def apply_policies(self, doc: dict | None = None) -> dict:
+        """Replace the policies with `doc` ({"policies": [...]}); None: reload the policies file."""
+        return self._call("apply_policies", doc, timeout=60)
+
+    def notice(self, node: str, at: float | None, reason: str = "") -> dict:
+        """`node` goes away at `at` (epoch; None: withdraw): the node-notice policies act on it."""
+        return self._call("notice", node, at, reason, timeout=60)
 
     def suspend(self, worker: str) -> dict:
         """Checkpoint `worker` to the image store and free its GPUs (traffic: sibling or held)."""

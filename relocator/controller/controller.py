@@ -110,6 +110,7 @@ class Controller:
             cfg.consolidate, plan=lambda k: self.consolidate(dry_run=True, max_moves=k),
             run=lambda k: self.consolidate(max_moves=k), busy=self.demands.busy)
         self._wire_why()
+        self._wire_policies()
 
     def _wire_why(self) -> None:
         """`why` (relocator/controller/explain.py): its inputs, and the launch refusal of a
@@ -137,6 +138,13 @@ class Controller:
         except Exception as exc:  # noqa: BLE001
             log.error("controller api not served: %s", exc)
             return None
+
+    def _wire_policies(self) -> None:
+        """Policies that start moves (relocator/policies, docs/policies.md): their engine is the
+        reconcile loop's last step."""
+        from relocator.controller.policyports import policy_engine
+
+        self.policies = policy_engine(self)
 
     def _start(self) -> None:
         """A restarted controller first finishes the relocations it left open (their workers are
@@ -221,7 +229,7 @@ class Controller:
                 ("update_reservations", self.nodes.update_reservations), ("update_cells", self.nodes.update_cells),
                 ("update_deadlines", self.demands.update_deadlines), ("update_paused", self.set_aside.in_place.update),
                 ("update_demands", self.demands.update),
-                ("update_consolidation", self.periodic.update)]
+                ("update_consolidation", self.periodic.update), ("update_policies", self.policies.update)]
 
     def reconcile_once(self) -> dict:
         stats = {}
@@ -242,7 +250,7 @@ class Controller:
     def launch(self, model: str = "tiny-llama", gpus: int = 1, node: str | None = None,
                worker_id: str | None = None, engine: str | None = None, priority: int = 0,
                time_limit: str | float | None = None, make_room: bool = True, dry_run: bool = False,
-               faults: dict | None = None) -> dict:
+               faults: dict | None = None, labels: dict[str, str] | None = None) -> dict:
         """Start a worker and register it with the router once it serves. Placed by the planner
         unless `node` is given; when no node has `gpus` free GPUs it makes room (the fewest live
         moves, else, for a higher `priority`, the fewest lower-priority workers suspended) unless
@@ -250,9 +258,13 @@ class Controller:
         met now is queued: returns {"id", "state": "pending", "demand"}; the reconcile loop starts
         it when capacity allows. `dry_run`: the plan only. `time_limit` (90, "90s", "15m", "2h"):
         after running that long it is preemptible: suspended and requeued only when a waiting
-        demand or a drain's deadline needs its GPUs. `faults`: injected into the first move."""
-        return self.demands.launch(model, gpus, node, worker_id, engine, priority, time_limit, make_room, dry_run,
-                                   faults, new_id=self.workers.new_worker_id, check_target=self.nodes.check_target)
+        demand or a drain's deadline needs its GPUs. `faults`: injected into the first move.
+        `labels` ({k: v}): what a policy's filter matches (docs/policies.md)."""
+        out = self.demands.launch(model, gpus, node, worker_id, engine, priority, time_limit, make_room, dry_run,
+                                  faults, new_id=self.workers.new_worker_id, check_target=self.nodes.check_target)
+        if labels and not dry_run and out.get("id"):
+            self.policies.set_labels(out["id"], labels)
+        return out
 
     def suspend(self, worker_id: str, reason: str = SuspendReason.OPERATOR, by: str | None = None) -> dict:
         """Checkpoint a running worker to the image store and free its GPUs. The router sends its
@@ -280,6 +292,21 @@ class Controller:
         free GPUs per node and the plan that would seat it (relocator/controller/why.py).
         KeyError: no such demand."""
         return self.explainer.why(demand_id)
+
+    # -- policies (docs/policies.md) -----------------------------------------------------------
+    def list_policies(self, dry_run: bool = False) -> dict:
+        """The loaded policies (and the invalid ones, with why); `dry_run`: what each would do now."""
+        return self.policies.dry_run() if dry_run else self.policies.listing()
+
+    def apply_policies(self, doc: dict | None = None) -> dict:
+        """Replace the policies with `doc` ({"policies": [...]}); None: reload the policies file."""
+        return self.policies.reload() if doc is None else self.policies.apply(doc)
+
+    def notice(self, node: str, at: float | None, reason: str = "") -> dict:
+        """Tell `node`'s agent that the node goes away at `at` (epoch; None: withdraw the notice)."""
+        if node not in self.inventory():
+            raise ValueError(f"unknown node {node!r}")
+        return {"node": node, "notice": self.backend.agents.set_notice(node, at, reason)}
 
     def stop_worker(self, worker_id: str) -> dict:
         return self.workers.stop(worker_id, cancel=self.demands.cancel)
@@ -327,6 +354,7 @@ class Controller:
             "pending": self.explainer.annotate(self.pending()),  # each with its `why`
             "api": self.api.url if getattr(self, "api", None) else None,  # GET /v1/why/<demand>
             "cordoned": sorted(self.cordoned()),
+            "gpu_health": self.policies.gpus.states(),  # GPUs not healthy (docs/policies.md)
             "relocations": [r.summary() for r in self.store.relocations()],
             "controller": {**self.ping(), "loop": self.loop_stats, "consolidation": self.periodic.last},
             # where Prometheus scrapes (docs/observability.md) and where events go
