@@ -162,6 +162,17 @@ def _plan_lines(plan: dict) -> list[str]:
     return lines
 
 
+def _labels(values: list[str]) -> list[tuple[str, str]]:
+    """`--label k=v`: (k, v) pairs; anything else is a bad parameter (exit 2)."""
+    out = []
+    for v in values or []:
+        k, eq, val = v.partition("=")
+        if not eq or not k.strip():
+            raise typer.BadParameter(f"--label wants k=v, not {v!r}")
+        out.append((k.strip(), val.strip()))
+    return out
+
+
 @app.command("launch")
 @handle_errors
 def launch_cmd(model: str = typer.Option("tiny-llama", "--model", "-m", help="tiny-llama or a model directory"),
@@ -176,11 +187,13 @@ def launch_cmd(model: str = typer.Option("tiny-llama", "--model", "-m", help="ti
                make_room: bool = typer.Option(True, "--make-room/--no-make-room", help="make room with live moves "
                                               "when no node has the GPUs free (--no-make-room: fail instead)"),
                dry_run: bool = typer.Option(False, "--dry-run", help="print the plan, change nothing"),
+               label: list[str] = typer.Option([], "--label", callback=_labels, help="k=v, what a policy's "
+                                               "filter matches (repeatable)"),
                cluster_dir: Optional[str] = CLUSTER_DIR, json_out: bool = JSON) -> None:
     """Start a worker and register it with the router; waits until it serves. No node with the GPUs
     free: the fewest live moves make room; a demand that cannot be met waits in `pending`."""
     w = _connect(cluster_dir).launch(model, gpus, node, engine=engine.value, priority=priority, time_limit=time_limit,
-                                     make_room=make_room, dry_run=dry_run)
+                                     make_room=make_room, dry_run=dry_run, labels=dict(label) or None)
     if json_out:
         print_json(w)
         return
