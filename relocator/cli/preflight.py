@@ -11,7 +11,8 @@ from relocator.cli.common import console, print_json
 
 @app.command()
 def preflight(json_out: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
-    """Check root, kernel features, CRIU >= 4.2, system tools and Python packages."""
+    """Check root, kernel features, CRIU >= 4.2, system tools, Python packages and, where an NVIDIA
+    driver is present, the GPU path (driver, cuda-checkpoint, persistence mode, driver mounts)."""
     from relocator.preflight import run_checks
 
     checks = run_checks()
