@@ -307,6 +307,27 @@ def test_resume_source_says_when_a_cuda_state_cannot_be_undone(
     assert (tmp_path / "cuda_pids.json").exists()  # a later resume can try again
 
 
+def test_release_reports_a_gpu_source_that_ran_after_its_dump(tool: FakeTool, sleeper: int, tmp_path: Path) -> None:
+    from relocator.snapshot import snapshot
+
+    class Source(_Cell):
+        def is_alive(self) -> bool:
+            return True
+
+    cell = Source(tmp_path, [sleeper], tool)
+    assert snapshot.released_source_ran(cell) == []  # no cuda_pids.json: not a dumped GPU source
+    (tmp_path / "cuda_pids.json").write_text(json.dumps([sleeper]))
+    os.kill(sleeper, signal.SIGSTOP)
+    _wait_status(sleeper, True)
+    tool.set_state(sleeper, "checkpointed")
+    assert snapshot.released_source_ran(cell) == []
+    os.kill(sleeper, signal.SIGCONT)
+    tool.set_state(sleeper, "running")
+    _wait_status(sleeper, False)
+    ran = snapshot.released_source_ran(cell)
+    assert len(ran) == 2 and "not stopped" in ran[0] and "CUDA state is running" in ran[1]
+
+
 def test_no_gpu_means_not_available_here() -> None:
     if gpu_info().count == 0:
         assert cuda.available() is False

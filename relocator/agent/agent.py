@@ -28,6 +28,19 @@ def agent_name(node: str) -> str:
     return f"relocator-agent-{node}"
 
 
+def _report_if_ran(cell: Any) -> None:
+    """A GPU source must stay stopped and checkpointed from DUMP until RELEASE (docs/gpu.md):
+    say so in the agent's log when one did not (a second live copy of the worker ran)."""
+    import logging
+
+    from relocator.snapshot.snapshot import released_source_ran
+
+    ran = released_source_ran(cell)
+    if ran:
+        logging.getLogger("relocator.agent").error(
+            "cell %s: the source ran after its dump (a second live copy): %s", cell.id, "; ".join(ran))
+
+
 class NodeAgent(ModeOps):  # every transfer mode's ops (relocator.agent.modes)
     def __init__(self, node: str, state_dir: str, images_dir: str,
                  credentials: dict[str, str] | None = None) -> None:
@@ -312,6 +325,7 @@ class NodeAgent(ModeOps):  # every transfer mode's ops (relocator.agent.modes)
             lazy = self._lazy_dumps.pop(cell_id, None)
             if LazySource(cell.dir).running():  # a post-copy source: its lazy dump
                 LazySource(cell.dir).abort(lazy)
+            _report_if_ran(cell)
             cell.kill()
             return True
 

@@ -262,6 +262,15 @@ def source_frozen(cell: Cell) -> list[str]:
     return cuda.frozen_problems(cell.pids(), cuda_pids)
 
 
+def released_source_ran(cell: Cell) -> list[str]:
+    """At RELEASE (the source is about to be killed): what shows that a GPU source left by a
+    dump ran meanwhile (`source_frozen`); empty when it did not, or when `cell` is not such a
+    source (no cuda_pids.json: a CPU cell, never dumped, or resumed)."""
+    if not (cell.dir / "cuda_pids.json").exists() or not cell.is_alive():
+        return []
+    return source_frozen(cell)
+
+
 def inspect_image(image_dir: Path, verify: bool = False) -> Image:
     image_dir = Path(image_dir)
     if not image_dir.is_dir():
