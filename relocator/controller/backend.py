@@ -261,8 +261,8 @@ class RayBackend(*MODE_CALLS):  # type: ignore[misc]  # each transfer mode's age
             rc.add_replica(worker_id, w.model, endpoint or w.endpoint, tokenizer_of(w), w.engine)
             return fn(rc)
 
-    def hold(self, worker_id: str) -> None:
-        self._router(worker_id, lambda rc: rc.hold(worker_id))
+    def hold(self, worker_id: str) -> dict:
+        return self._router(worker_id, lambda rc: rc.hold(worker_id))
 
     def switch(self, worker_id: str, endpoint: str) -> dict:
         return self._router(worker_id, lambda rc: rc.switch(worker_id, endpoint), endpoint)

@@ -73,7 +73,7 @@ class Backend(Protocol):
     def reserve(self, worker: WorkerRecord, node: str, name: str) -> list[int] | None: ...  # its GPU ids
     def free(self, name: str) -> None: ...
     # router
-    def hold(self, worker_id: str) -> None: ...
+    def hold(self, worker_id: str) -> dict | None: ...
     def switch(self, worker_id: str, endpoint: str) -> dict: ...
     def release(self, worker_id: str) -> None: ...
     # agents
@@ -264,8 +264,9 @@ class Machine:
     def _hold(self, rel: Relocation, w: WorkerRecord) -> dict:
         if not transfers.strategy(rel.transfer).freezes_source:
             return {"skipped": "the source serves on"}  # make-before-break: nothing is held
-        self.backend.hold(w.id)
-        return {}
+        info = self.backend.hold(w.id) or {}
+        # the streams an active sibling took over at once (router: RoutingTable.hold)
+        return {"moved_streams": info.get("moved_streams", 0)}
 
     def _dump(self, rel: Relocation, w: WorkerRecord) -> dict:
         info = transfers.strategy(rel.transfer).dump(self, rel)

@@ -394,10 +394,12 @@ class RouterCore:
                                          f"{last}")
 
     async def _next_replica(self, model: str, prev: Replica, moved: bool) -> Replica:
-        """Where a stream broken on `prev` goes on: the same worker at its new endpoint (it
-        moved, or died while held: wait for its switch), else another replica."""
+        """Where a stream broken on `prev` goes on: an active sibling while `prev` is held (cut
+        at the hold, or broken during the freeze: RoutingTable.hold), else the same worker at its
+        new endpoint (it moved, or died while held: wait for its switch), else another replica."""
         if prev.worker_id in _ids(self.table.replicas(model)) and \
-                (moved or prev.state is ReplicaState.HELD):
+                (moved or prev.state is ReplicaState.HELD) and not \
+                (prev.state is ReplicaState.HELD and self.table.active_sibling(prev)):
             return await self.table.wait_for(prev)
         return await self.table.acquire(model, None, exclude=[prev.worker_id])
 

@@ -83,7 +83,7 @@ class RoutingTable:
     """Replicas by model, a policy, and the hold queues.
 
     hold(w): new requests that would go to w (no active sibling) wait, FIFO, bounded, with a
-    timeout; switch(w, endpoint): w now lives at endpoint, every stream in flight on w is cut
+    timeout (with an active sibling they go there, and so do w's streams in flight); switch(w, endpoint): w now lives at endpoint, every stream in flight on w is cut
     (its owner continues it on the new endpoint), the queue is released in arrival order;
     release(w): un-hold without moving (the rollback path).
 
@@ -226,12 +226,30 @@ class RoutingTable:
 
     # ---- relocation protocol ---------------------------------------------------------
     def hold(self, worker_id: str) -> dict:
+        """New requests for the worker wait (or go to an active sibling). With an active sibling
+        (`prefer_sibling_when_held`) its streams in flight are cut too, and continued there at
+        once (core: `_next_replica`): a relocation is about to freeze the worker, and a frozen
+        worker's connections neither answer nor break (CRIU holds them in repair mode behind its
+        packet filter), so a stream left on it would wait out the whole freeze."""
         r = self.get(worker_id)
         if r.state is not ReplicaState.HELD:
             r.state = ReplicaState.HELD
             r.held_since = time.monotonic()
         r.suspect = False  # the control plane owns this hold now: no probe, no timer
-        return r.info()
+        moved = 0
+        if self.active_sibling(r):
+            for s in list(r.streams):
+                moved += 1
+                s.cut()
+        info = r.info()
+        info["moved_streams"] = moved
+        return info
+
+    def active_sibling(self, r: Replica) -> bool:
+        """Another replica of `r`'s model is active and may take `r`'s requests while `r` is
+        held (`prefer_sibling_when_held`)."""
+        return self.prefer_sibling_when_held and any(
+            x is not r and x.state is ReplicaState.ACTIVE for x in self._by_model.get(r.model, ()))
 
     def streams(self, worker_id: str) -> list[dict]:
         """The progress of every stream in flight on the worker (StreamHandle.progress)."""
