@@ -12,6 +12,7 @@ import typer
 
 from relocator.cli import bench_app
 from relocator.cli.replay import MODE_LIST, _load_list, _mode_list, load_list_option, make_configs, print_results, run_configs
+from relocator.cli.replay_gpushare import GPUSHARE_KEYS, PACK_EVERY, print_gpushare, set_pack_every, with_frag_ratio
 from relocator.cli.simulate import POLICY_LIST, fail, load_inputs, parse_choices
 from relocator.sim.replay import QueueDiscipline, ReplayMode
 
@@ -19,7 +20,7 @@ from relocator.sim.replay import QueueDiscipline, ReplayMode
 AGG_KEYS = ("wait_s_p50", "wait_s_p99", "wait_s_max", "wait_s_p99_all", "alloc_ratio_mean", "queue_len_mean", "moves",
             "moves_per_hour", "moves_per_100_arrivals", "interventions_per_100_arrivals", "suspensions", "plans",
             "plans_wasted", "blackout_s_total", "pod_hours_lost", "kill_restart_pod_hours_lost", "measured_arrivals",
-            "window_h", "seconds", "p99_cut", "p50_cut", "alloc_gain")
+            "window_h", "seconds", "p99_cut", "p50_cut", "alloc_gain") + GPUSHARE_KEYS
 
 
 def _stats(xs: list[float]) -> dict:
@@ -95,7 +96,8 @@ def bench_replay(
     trace: Optional[Path] = typer.Option(None, "--trace", help="openb folder (default ../shared/data/openb or $RELOCATOR_OPENB_DIR)."),
     variants: str = typer.Option("default", "--variants", help="Pod lists in --trace, comma-separated: default, multigpu50, gpushare80 ... (openb_pod_list_<name>.csv). Lists without times take them from the default list."),
     policy: str = typer.Option("fgd,best-fit", "--policy", callback=POLICY_LIST, help="Policies, comma-separated."),
-    mode: str = typer.Option(",".join(ReplayMode.values()), "--mode", callback=MODE_LIST, help="Modes, comma-separated."),
+    mode: str = typer.Option(",".join(m for m in ReplayMode.values() if m != ReplayMode.MOVES_PACK), "--mode",
+                             callback=MODE_LIST, help="Modes, comma-separated (moves+pack: for the gpushare lists)."),
     load: str = typer.Option("0.9,1.3", "--load", callback=load_list_option, help="Offered loads, comma-separated."),
     queue: QueueDiscipline = typer.Option(QueueDiscipline.FIFO, "--queue", help="fifo or backfill."),
     seed: int = typer.Option(42, "--seed", help="First seed."),
@@ -104,6 +106,7 @@ def bench_replay(
     moves_per_pod: int = typer.Option(4, "--moves-per-pod", help="Most moves to seat one pod."),
     budget: float = typer.Option(1.0, "--budget", help="Moves (and suspensions) per 100 arrivals (a bucket capped at --budget-cap)."),
     budget_cap: Optional[float] = typer.Option(None, "--budget-cap", help="Most moves the budget bucket holds (default: --moves-per-pod)."),
+    pack_every: float = PACK_EVERY,
     jobs: int = typer.Option(2, "--jobs", help="Runs in parallel (processes)."),
     plot: Optional[Path] = typer.Option(Path("docs/img/replay_default.png"), "--plot", help="PNG of the first pod list and policy, at the first load and seed: allocation and queue over time per mode."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object: {results: [...] (means over seeds), runs: [...] (one per seed)}."),
@@ -134,6 +137,7 @@ def bench_replay(
         cfgs = [c for s in range(seed, seed + seeds)
                 for c in make_configs(policies, _mode_list(mode), loads, s, queue, passes, moves_per_pod, budget,
                                       None, None, 0.0, None, False, budget_cap)]
+        set_pack_every(cfgs, pack_every)
         if not as_json:
             typer.echo(f"{name}: {len(cfgs)} runs", err=True)
         out = run_configs(nodes, pods, cfgs, default_pods, max(1, jobs), quiet=as_json)
@@ -149,6 +153,7 @@ def bench_replay(
             r.pop("series", None)
         runs.extend(out)
     with_gains(runs)
+    with_frag_ratio(runs)
     results = aggregate(runs)
     if as_json:
         sys.stdout.write(json.dumps({"results": results, "runs": runs, "plot": str(plot) if plot else None}, indent=2) + "\n")
@@ -156,5 +161,6 @@ def bench_replay(
     if seeds == 1:
         print_results(runs, "replay with departures")
     print_aggregate(results, f"replay with departures, mean ± sd over {seeds} seed(s)")
+    print_gpushare(runs, "GPU sharing: fragmented GPUs (the FGD authors' measure) and nodes with all GPUs free, per seed")
     if plot is not None:
         typer.echo(f"plot: {plot}")

@@ -12,6 +12,7 @@ import typer
 
 from relocator.cli import app
 from relocator.cli.common import choice_list
+from relocator.cli.replay_gpushare import PACK_EVERY, print_gpushare, set_pack_every, with_frag_ratio
 from relocator.cli.simulate import POLICY_LIST, fail, load_inputs, parse_choices
 from relocator.sim.replay import QueueDiscipline, ReplayMode
 
@@ -119,6 +120,7 @@ def replay_cmd(
     min_gpus: float = typer.Option(0.0, "--min-gpus", help="Only heads needing at least this many GPUs may trigger moves."),
     consolidate_every: Optional[float] = typer.Option(None, "--consolidate-every", help="Also consolidate (free whole nodes) every this many simulated seconds, within the budget."),
     shared_storage: bool = typer.Option(False, "--shared-storage", help="Blackout without the agent-to-agent transfer (images on shared storage)."),
+    pack_every: float = PACK_EVERY,
     jobs: int = typer.Option(1, "--jobs", help="Runs in parallel (processes)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of allocation and queue length over time, per mode."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object {results: [...]} (no time series)."),
@@ -131,6 +133,7 @@ def replay_cmd(
     donor = load_donor(times_from)
     cfgs = make_configs(policies, _mode_list(mode), _load_list(load), seed, queue, passes, moves_per_pod, budget,
                         max_moves_per_hour, max_moved_gpus, min_gpus, consolidate_every, shared_storage, budget_cap)
+    set_pack_every(cfgs, pack_every)
     results = run_configs(nodes, pod_list, cfgs, donor, max(1, jobs), quiet=as_json)
     if plot is not None:
         from relocator.sim.plot import plot_replay
@@ -139,8 +142,10 @@ def replay_cmd(
     for r in results:
         r.pop("series", None)
     if as_json:
+        with_frag_ratio(results)
         sys.stdout.write(json.dumps({"results": results}, indent=2) + "\n")
         return
     print_results(results)
+    print_gpushare(results)
     if plot is not None:
         typer.echo(f"plot: {plot}")

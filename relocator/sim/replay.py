@@ -40,6 +40,7 @@ import numpy as np
 
 from relocator.planner.cluster import MILLI, Cluster, NodeSpec, Workload
 from relocator.planner.policies import TypicalPods, canonical_policy_name, cluster_fragmentation_milli, get_policy
+from relocator.sim import gpushare
 from relocator.sim.replay_result import replay_result
 from relocator.sim.rooms import _ARRIVE, _DEPART, _DONE, _TICK, RoomMaker, _Flight  # noqa: F401
 # the arrival stream, re-exported: replay's callers (cli, tests) import it from here
@@ -67,6 +68,8 @@ class ReplayConfig:
     backfill_depth: int = 64
     consolidate_every_s: float | None = None
     consolidate_moves: int = 4
+    pack_every_s: float = 30.0  # mode moves+pack: a packing round of shares this often (sim/gpushare.py)
+    pack_moves: int = 4  # most moves of one packing round
     samples: int = 400
     blackout: BlackoutModel = field(default_factory=BlackoutModel)
 
@@ -123,6 +126,7 @@ class Replay(RoomMaker):
         self.last_t = 0.0
         self.m_moves = 0
         self.m_arrivals = 0
+        self.pack_moves = 0  # moves of packing rounds (mode moves+pack)
 
     # ------------------------------------------------------------------ events
     def _push(self, t: float, kind: int, a: int, b: int = 0) -> None:
@@ -141,7 +145,8 @@ class Replay(RoomMaker):
             self.series["t"].append(float(self.grid[self.gi]))
             self.series["alloc"].append(self.used / self.cap)
             self.series["queue"].append(float(len(self.queue)))
-            self.series["frag_gpus"].append(cluster_fragmentation_milli(self.cluster, self.typical) / MILLI)
+            for k, v in gpushare.sample(self).items():  # fragmented GPUs (the FGD authors' measure), free nodes
+                self.series.setdefault(k, []).append(v)
             self.gi += 1
         self.last_t = t
 
@@ -151,6 +156,8 @@ class Replay(RoomMaker):
             self._push(j.arrival, _ARRIVE, j.idx)
         if self.cfg.consolidate_every_s and self.mode is not ReplayMode.NONE:
             self._push(self.cfg.consolidate_every_s, _TICK, 0)
+        if self.mode is ReplayMode.MOVES_PACK:
+            self._push(self.cfg.pack_every_s, _TICK, gpushare.PACK_TICK)
         last_arrival = self.jobs[-1].arrival if self.jobs else 0.0
         while self.events:
             t, kind, _, a, b = heapq.heappop(self.events)
@@ -165,6 +172,10 @@ class Replay(RoomMaker):
                 self._depart(j)
             elif kind == _DONE:
                 self._flight_done(self.flights.pop(a))
+            elif kind == _TICK and a == gpushare.PACK_TICK:
+                if t <= last_arrival:
+                    gpushare.pack_tick(self)
+                    self._push(t + self.cfg.pack_every_s, _TICK, gpushare.PACK_TICK)
             elif kind == _TICK:
                 if t <= last_arrival:
                     self._consolidate()

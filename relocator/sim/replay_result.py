@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from relocator.planner.cluster import MILLI
+from relocator.sim import gpushare
 from relocator.sim.stream import CLASSES, Job
 
 
@@ -64,5 +65,7 @@ def replay_result(r: Any, seconds: float) -> dict:
         "gap_scale": r.stream.scale,
         "offered_load": round(r.stream.offered_load, 3),
         "seconds": round(seconds, 2),
+        "pack_moves": r.pack_moves,
+        **gpushare.summary(r),  # fragmented GPUs, nodes with all GPUs free (sim/gpushare.py)
         "series": {k: [round(x, 4) for x in v] for k, v in r.series.items()},
     }

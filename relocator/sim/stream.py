@@ -52,6 +52,7 @@ class ReplayMode(Choice):
     NONE = "none"
     MOVES = "moves"
     MOVES_SUSPEND = "moves+suspend"
+    MOVES_PACK = "moves+pack"  # moves, and rounds of moves of shares onto fewer GPUs (sim/gpushare.py)
 
 
 #: priority by the trace's qos (higher wins a suspension)
