@@ -123,7 +123,24 @@ def _measure(ctl, wid: str, dst: str, transfer: str, streams: int, max_tokens: i
         "client_errors": load["client_errors"],
         "requests": load["requests"], "tokens": load["tokens"],
         "result": rel["result"], "client_max_gap_s": [c["max_gap_s"] for c in load["clients"]],
+        # the load's longest gap before the move (its normal pace), and where the blackout fell
+        "normal_gap_max_s": load.get("normal_gap_max_s"),
+        "blackout_at": blackout_at(full, load.get("blackout_span") or [], res.get("clock_offset_s", 0.0)),
     }
+
+
+def blackout_at(rel: dict, span: list[float], offset: float) -> dict:
+    """The phase the blackout's gap began in and the one it ended in, and its start and end in
+    seconds from the start of that phase (`span`: monotonic; `offset`: wall minus monotonic)."""
+    if len(span) != 2:
+        return {}
+    out: dict = {}
+    for key, t in (("start", span[0] + offset), ("end", span[1] + offset)):
+        for p in rel.get("phases", []):
+            if p["started"] <= t <= (p.get("ended") or t):
+                out[f"{key}_phase"], out[f"{key}_in_phase_s"] = p["name"], round(t - p["started"], 4)
+                break
+    return out
 
 
 def _phase_info(rel: dict) -> dict:

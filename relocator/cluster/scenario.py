@@ -44,5 +44,7 @@ def relocate_under_load(ctl: Any, worker: str, to: str | None, model: str, *, co
     load.stop()
     summary = ctl.wait_relocation(rid)
     report = load.report(window=(t0, t1))
+    # wall clock minus monotonic: places the load's times (monotonic) among the phases' (wall)
     return {"relocation": summary, "load": report, "relocation_wall_s": round(t1 - t0, 3),
+            "clock_offset_s": time.time() - time.monotonic(),
             "reference_s": round(ref_s, 3), "reference": ref}

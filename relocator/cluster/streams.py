@@ -186,7 +186,8 @@ class Load:
         text_bad: list[dict[str, Any]] = []
         errors: list[str] = []
         clients: dict[int, dict[str, Any]] = {}
-        blackout = 0.0
+        blackout = normal = 0.0
+        span: list[float] = []  # (start, end) of the blackout's gap, monotonic
         for r in self.results:
             c = clients.setdefault(r.client, {"client": r.client, "requests": 0, "tokens": 0, "max_gap_s": 0.0,
                                               "errors": 0, "verified": 0})
@@ -210,14 +211,18 @@ class Load:
             for a, b in r.gaps():
                 c["max_gap_s"] = max(c["max_gap_s"], b - a)
                 if window and a <= window[1] and b >= window[0]:
-                    blackout = max(blackout, b - a)
+                    if b - a > blackout:
+                        blackout, span = b - a, [a, b]
+                elif window and b < window[0]:  # before the move: the load's normal gaps
+                    normal = max(normal, b - a)
         for c in clients.values():
             c["max_gap_s"] = round(c["max_gap_s"], 4)
         return {"requests": len(self.results), "tokens": sum(len(r.tokens) for r in self.results),
                 "tokens_lost": totals["lost"], "tokens_duplicated": totals["duplicated"],
                 "tokens_mismatched": totals["mismatched"], "text_mismatched": text_mismatched,
                 "text_bad": text_bad, "client_errors": len(errors),
-                "errors": errors[:5], "blackout_max_s": round(blackout, 4),
+                "errors": errors[:5], "blackout_max_s": round(blackout, 4), "blackout_span": span,
+                "normal_gap_max_s": round(normal, 4),
                 "clients": [clients[k] for k in sorted(clients)]}
 
 
