@@ -10,7 +10,7 @@ from relocator.controller.machine import DONE, ROLLED_BACK, Machine
 from relocator.controller.model import Relocation, WorkerRecord
 from relocator.controller.store import Store
 from relocator.controller.transfers import AUTO_ORDER, STRATEGIES
-from relocator.controller.transfers.handoff import GAP_TOKENS, WarmUp
+from relocator.controller.transfers.handoff import CATCH_UP_ROUNDS, GAP_TOKENS, WarmUp
 from relocator.vocab import TransferMode
 from tests.test_controller_machine import FakeBackend
 
@@ -25,6 +25,7 @@ class HandoffBackend(FakeBackend):
         self.step = step
         self.prefilled: list[list[int]] = []
         self.stay_on_source = 0  # streams the router kept on the source at SWITCH
+        self.catch_ups: list[int] = []  # the router's catch-up rounds asked at each switch call
 
     def start_copy(self, node, cell, worker, gpu_ids):
         self._call("start_copy", node, cell)
@@ -46,7 +47,8 @@ class HandoffBackend(FakeBackend):
         self.prefilled.extend(sequences)
         return {"sequences": len(sequences)}
 
-    def handoff_switch(self, wid, endpoint, keep_inexact=True, cut_from=None):
+    def handoff_switch(self, wid, endpoint, keep_inexact=True, cut_from=None, catch_up_rounds=0):
+        self.catch_ups.append(catch_up_rounds)
         info = self.switch(wid, endpoint)
         if not keep_inexact:
             assert cut_from == "http://a"  # only the source's streams are cut past the window
@@ -90,6 +92,7 @@ def test_handoff_moves_without_freezing_the_source(env) -> None:
     assert info["prefix_hit_tokens"] > 0 and info["recomputed_tokens"] == len(be.prefilled[-1])
     w = store.worker("w1")
     assert (w.node, w.cell_id, w.state) == ("n2", "w1-r1", "running")
+    assert be.catch_ups == [CATCH_UP_ROUNDS] and CATCH_UP_ROUNDS > 0  # the router's last rounds
 
 
 @pytest.mark.parametrize("failing", ["start_copy", "prefill", "router_streams"])
@@ -115,6 +118,7 @@ def test_streams_kept_on_the_source_are_continued_past_the_window(env) -> None:
     assert rel.result == DONE, rel.error
     info = rel.phases[-1]["info"]
     assert info["continued_past_window"] == 2  # the fake's switch says 2 moved
+    assert be.catch_ups == [CATCH_UP_ROUNDS, 0]  # past the window: cut at once, no catch-up
     assert be.stay_on_source == 0 and be.live() == [("n2", "w1-r1")]
 
 

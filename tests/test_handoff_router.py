@@ -107,3 +107,60 @@ async def test_a_handoff_switch_continues_a_live_stream_token_exact(env):  # noq
         await rc.streams("ghost")
     assert ei.value.status == 404
     await rc.close()
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_switch_with_catch_up_prefills_the_target_first(env):  # noqa: F811
+    """The router's last warm-up before its cut (relocator/router/catchup.py): the target gets
+    each stream's continuation cut to one token, then the real continuation."""
+    srv, fakes, s = env
+    base = {"model": "fake", "max_tokens": 20, "stream": True, "prompt": "abc", "return_token_ids": True}
+    _, ref = await sse(s, fakes[1][1] + "/v1/completions", base)
+    ref_ids = [t for c in ref if c["choices"] for t in c["choices"][0].get("token_ids") or []]
+    rc = RouterControl(srv.control_url)
+    fakes[0][0].knobs.stall_after = 7
+    task = asyncio.create_task(sse(s, srv.url + "/v1/completions", base))
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if fakes[0][0]._stalls:
+            break
+    n = len(fakes[1][0].requests)
+    info = await rc.switch("w1", fakes[1][1], keep_inexact=True, catch_up_rounds=3)
+    caught = info["catch_up"]
+    # the stalled stream is within the gap after one round: no second one
+    assert (caught["rounds"], caught["streams"], caught["tokens"]) == (1, 1, 3 + 7), caught
+    assert "error" not in caught and info["moved_streams"] == 1
+    _, got = await task
+    fakes[0][0].unstall()
+    assert [t for c in got if c["choices"] for t in c["choices"][0].get("token_ids") or []] == ref_ids
+    pre, cont = fakes[1][0].requests[n:]
+    assert pre["max_tokens"] == 1 and pre["prompt"] == list(b"abc") + ref_ids[:7]
+    assert cont["prompt"] == pre["prompt"] and cont["max_tokens"] == 20 - 7
+    await rc.close()
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_failed_catch_up_still_switches_and_bad_rounds_are_refused(env):  # noqa: F811
+    srv, fakes, s = env
+    base = {"model": "fake", "max_tokens": 12, "stream": True, "prompt": "xy", "return_token_ids": True}
+    _, ref = await sse(s, fakes[0][1] + "/v1/completions", base)
+    rc = RouterControl(srv.control_url)
+    fakes[0][0].knobs.stall_after = 4
+    task = asyncio.create_task(sse(s, srv.url + "/v1/completions", base))
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if fakes[0][0]._stalls:
+            break
+    fakes[1][0].knobs.fail_status = 500  # the prefill fails (once): the continuation does it
+    info = await rc.switch("w1", fakes[1][1], keep_inexact=True, catch_up_rounds=2)
+    assert "500" in info["catch_up"]["error"] and info["moved_streams"] == 1
+    _, got = await task
+    fakes[0][0].unstall()
+    assert [c["choices"][0]["text"] for c in got if c["choices"]] and \
+        "".join(c["choices"][0]["text"] for c in got if c["choices"]) == \
+        "".join(c["choices"][0]["text"] for c in ref if c["choices"])
+    for bad in ("2", -1, 99, True):
+        with pytest.raises(ControlError) as ei:
+            await rc._call("POST", "/control/workers/w1/switch", {"endpoint": fakes[1][1], "catch_up_rounds": bad})
+        assert ei.value.status == 400 and ei.value.body["error"]["param"] == "catch_up_rounds"
+    await rc.close()

@@ -86,10 +86,12 @@ class RouterControl:
         return await self._call("POST", _paths(worker_id)["hold"])
 
     async def switch(self, worker_id: str, endpoint: str, release: bool = True,
-                     keep_inexact: bool = False) -> dict:
-        body = {"endpoint": endpoint, "release": release}
+                     keep_inexact: bool = False, catch_up_rounds: int = 0) -> dict:
+        body: dict[str, Any] = {"endpoint": endpoint, "release": release}
         if keep_inexact:
             body["keep_inexact"] = True
+        if catch_up_rounds:
+            body["catch_up_rounds"] = catch_up_rounds
         return await self._call("POST", _paths(worker_id)["switch"], body)
 
     async def streams(self, worker_id: str) -> list[dict]:
@@ -139,12 +141,16 @@ class RouterControlSync:
         return self._call("POST", _paths(worker_id)["hold"])
 
     def switch(self, worker_id: str, endpoint: str, release: bool = True, keep_inexact: bool = False,
-               cut_from: str | None = None) -> dict:
+               cut_from: str | None = None, catch_up_rounds: int = 0) -> dict:
+        """`catch_up_rounds`: the router first prefills `endpoint` with the streams (a handoff's
+        last warm-up, relocator.router.catchup), at most that many rounds."""
         body: dict[str, Any] = {"endpoint": endpoint, "release": release}
         if keep_inexact:
             body["keep_inexact"] = True
         if cut_from:
             body["cut_from"] = cut_from
+        if catch_up_rounds:
+            body["catch_up_rounds"] = catch_up_rounds
         return self._call("POST", _paths(worker_id)["switch"], body)
 
     def streams(self, worker_id: str) -> list[dict]:

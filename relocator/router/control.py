@@ -11,7 +11,7 @@ from typing import Callable
 
 from aiohttp import web
 
-from . import errors
+from . import catchup, errors
 from .config import RouterEngine
 from .errors import RouterError
 from .runtime import RouterRuntime
@@ -153,7 +153,17 @@ class ControlAPI:
         cut_from = b.get("cut_from")
         if cut_from is not None and not isinstance(cut_from, str):
             raise errors.bad_request("'cut_from' must be an endpoint (http[s]://host:port).", param="cut_from")
+        rounds = b.get("catch_up_rounds", 0)
+        if not isinstance(rounds, int) or isinstance(rounds, bool) or not 0 <= rounds <= catchup.MAX_ROUNDS:
+            raise errors.bad_request(f"'catch_up_rounds' must be an integer 0-{catchup.MAX_ROUNDS}, "
+                                     f"not {rounds!r}.", param="catch_up_rounds")
+        caught = None
+        if rounds and self.rt.core is not None:  # a handoff: the target's last prefill, then the cut
+            self.rt.table.get(w)  # 404 before any work
+            caught = await catchup.catch_up(self.rt.core, w, ep, rounds)
         info = self.rt.table.switch(w, ep, release=release, keep_inexact=keep, cut_from=cut_from)
+        if caught is not None:
+            info["catch_up"] = caught
         self.rt.persist()
         return web.json_response(info)
 

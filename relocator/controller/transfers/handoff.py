@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 GAP_TOKENS = 4
 #: at most this many warm-up rounds (the source may outrun a slow target: switch anyway)
 MAX_ROUNDS = 6
+#: the router's own last rounds right before its cut (relocator.router.catchup): the tokens the
+#: source made since the last round here are prefilled by the router, not by 8 continuations at once
+CATCH_UP_ROUNDS = 4
 #: how long streams that cannot be continued exactly may finish on the source after SWITCH
 #: (the default of config controller.handoff_window_s)
 WINDOW_S = 30.0
@@ -47,9 +50,10 @@ class HandoffCalls:
                                 "prefill", timeout=300)
 
     def handoff_switch(self, worker_id: str, endpoint: str, keep_inexact: bool = True,
-                       cut_from: str | None = None) -> dict:
-        return self._router(worker_id, lambda rc: rc.switch(worker_id, endpoint,  # type: ignore[attr-defined]
-                                                            keep_inexact=keep_inexact, cut_from=cut_from), endpoint)
+                       cut_from: str | None = None, catch_up_rounds: int = 0) -> dict:
+        return self._router(worker_id, lambda rc: rc.switch(  # type: ignore[attr-defined]
+            worker_id, endpoint, keep_inexact=keep_inexact, cut_from=cut_from,
+            catch_up_rounds=catch_up_rounds), endpoint)
 
 
 class WarmUp:
@@ -138,7 +142,8 @@ class HandoffTransfer(TransferStrategy):
         return {**info, **start, **warm_up(ctx.backend, rel, worker), "source_frozen_s": 0.0}
 
     def switch(self, ctx: Context, rel: "Relocation", worker: "WorkerRecord") -> dict:
-        return ctx.backend.handoff_switch(worker.id, rel.dst_endpoint, keep_inexact=True)
+        return ctx.backend.handoff_switch(worker.id, rel.dst_endpoint, keep_inexact=True,
+                                          catch_up_rounds=CATCH_UP_ROUNDS)
 
     def release(self, ctx: Context, rel: "Relocation") -> dict[str, Any]:
         window = float(ctx.handoff_window_s)  # config controller.handoff_window_s
@@ -152,4 +157,4 @@ class HandoffTransfer(TransferStrategy):
         return out
 
 
-__all__ = ["GAP_TOKENS", "HandoffCalls", "HandoffTransfer", "MAX_ROUNDS", "WINDOW_S", "WarmUp", "warm_up"]
+__all__ = ["CATCH_UP_ROUNDS", "GAP_TOKENS", "HandoffCalls", "HandoffTransfer", "MAX_ROUNDS", "WINDOW_S", "WarmUp", "warm_up"]
