@@ -4,16 +4,20 @@ relocation (moves of running pods) and suspension (checkpoint, requeue, resume).
 Pure logic over :class:`relocator.planner.Cluster`: the same policies and the same
 :func:`relocator.planner.defragment` the controller uses to make room.
 
-The arrival stream (:func:`build_stream`, relocator/sim/stream.py, described there): the pods in
-creation order, gaps clipped and scaled to the offered ``load``, replayed ``passes`` times.
+The arrival stream (``arrivals``): ``trace`` (:func:`build_stream`, relocator/sim/stream.py,
+described there): the pods in creation order, gaps clipped and scaled to the offered ``load``,
+replayed ``passes`` times; ``poisson`` (relocator/sim/arrivals.py): each pass a seeded shuffle
+of the list with exponential gaps, scaled to the same offered load.
 Making room (moves, suspensions, consolidation) is relocator/sim/rooms.py; the result dict
 relocator/sim/replay_result.py.
 
 Events: arrival (queued, FIFO), departure, plan done, suspension done, consolidation tick.
-After every event the queue is served: the head is placed by the policy if it fits; if not,
-``mode`` ``moves`` asks the planner for the fewest moves that seat it (``moves_per_pod`` at most,
-within the budget, ``max_moves_per_hour`` and ``max_moved_gpus`` per plan), on nodes that no
-other head's plan holds (a held node is neither a target nor a destination).
+After every event the queue is served (relocator/sim/baselines.py: ``queue`` ``fifo``, ``easy``
+backfill, ``backfill`` without reservations): the head is placed by the policy if it fits; if
+not, ``mode`` ``moves`` asks the planner for the fewest moves that seat it (``moves_per_pod`` at
+most, within the budget, ``max_moves_per_hour`` and ``max_moved_gpus`` per plan), on nodes that
+no other plan holds (a held node is neither a target nor a destination). Only the head makes
+room, and a head whose moves are under way still blocks the queue as the discipline says.
 
 The budget is a bucket that cannot be saved up: every arrival adds ``budget_per_100 / 100``
 tokens, up to ``budget_cap`` (default ``moves_per_pod``: one full plan); each move or suspension
@@ -24,8 +28,8 @@ arrivals they never exceed ``budget_cap`` plus ``budget_per_100`` per 100 of the
 (:class:`BlackoutModel`); source and destination are both held until the plan is done, then
 the head starts. ``moves+suspend`` also checkpoints lower-priority pods (QoS: LS/Guaranteed >
 Burstable > BE) on one node to seat the head when no plan exists; they are requeued in their
-original arrival order and resume with their remaining time plus a restore. With ``backfill``
-the queue is scanned past a blocked head (``backfill_depth`` pods), without reservations.
+original arrival order and resume with their remaining time plus a restore. With ``easy`` or
+``backfill`` the queue is scanned past a blocked head (``backfill_depth`` pods).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ import numpy as np
 
 from relocator.planner.cluster import MILLI, Cluster, NodeSpec, Workload
 from relocator.planner.policies import TypicalPods, canonical_policy_name, cluster_fragmentation_milli, get_policy
+from relocator.sim.arrivals import make_stream
+from relocator.sim.baselines import QueueServer
 from relocator.sim import gpushare
 from relocator.sim.replay_result import replay_result
 from relocator.sim.rooms import _ARRIVE, _DEPART, _DONE, _TICK, RoomMaker, _Flight  # noqa: F401
@@ -56,6 +62,7 @@ class ReplayConfig:
     load: float = 1.3
     queue: str = "fifo"
     seed: int = 42
+    arrivals: str = "trace"  # or "poisson": resampled per seed (relocator/sim/arrivals.py)
     passes: int = 2
     warmup_passes: int = 1
     moves_per_pod: int = 4
@@ -74,7 +81,7 @@ class ReplayConfig:
     blackout: BlackoutModel = field(default_factory=BlackoutModel)
 
 
-class Replay(RoomMaker):
+class Replay(RoomMaker, QueueServer):
     """One replay run; :meth:`run` returns the result dict."""
 
     def __init__(self, nodes: Sequence[NodeSpec], stream: Stream, cfg: ReplayConfig, typical: TypicalPods) -> None:
@@ -229,54 +236,6 @@ class Replay(RoomMaker):
         j.finished = self.now
         self.release_clock += 1
 
-    # ------------------------------------------------------------------ queue
-    def _serve(self) -> None:
-        if not self.queue:
-            return
-        # FIFO: the first pod that is not already waiting for its moves is the head; a head
-        # whose moves are under way has its node (nobody else may start there) and does not block
-        q = self.queue
-        i = 0
-        while i < len(q):
-            hid = q[i]
-            if hid in self.waiting:
-                i += 1
-                continue
-            if self._try_place(hid):
-                del q[i]
-                continue
-            if self.mode is not ReplayMode.NONE:
-                self._make_room(hid)
-                if hid not in q:  # it fitted after all
-                    continue
-                if hid in self.waiting:
-                    i += 1
-                    continue
-            break
-        if self.queue_kind is not QueueDiscipline.BACKFILL:
-            return
-        depth = i + self.cfg.backfill_depth
-        i += 1
-        while i < len(q) and i <= depth:
-            jid = q[i]
-            if jid not in self.waiting and self._try_place(jid):
-                del q[i]
-                continue
-            i += 1
-
-    def _try_place(self, jid: int) -> bool:
-        j = self.jobs[jid]
-        w = j.workload
-        key = (w.cpu_milli, w.memory_mib, w.num_gpu, w.gpu_milli, w.gpu_model)
-        if self.fail_memo.get(key) == self.release_clock:
-            return False  # nothing was freed since this shape last failed
-        pl = self.pol.select(self.cluster, w, rng=self.rng, mask=self.mask)
-        if pl is None:
-            self.fail_memo[key] = self.release_clock
-            return False
-        self._start(j, pl.node, pl.gpus)
-        return True
-
     # ------------------------------------------------------------------ relocation
     def _tokens(self) -> float:
         """Interventions (moves, suspensions) the budget still allows now."""
@@ -311,7 +270,7 @@ def replay(
 ) -> dict:
     """One replay (the result dict of :meth:`Replay.run`)."""
     cap = sum(n.gpus for n in nodes) * MILLI
-    stream = build_stream(pods, cfg.load, cap, cfg.seed, cfg.passes, cfg.warmup_passes, times_from=times_from)
+    stream = make_stream(cfg.arrivals, pods, cfg.load, cap, cfg.seed, cfg.passes, cfg.warmup_passes, times_from)
     if typical is None:
         typical = TypicalPods.from_workloads([p.workload for p in pods])
     return Replay(nodes, stream, cfg, typical).run()

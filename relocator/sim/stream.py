@@ -44,6 +44,7 @@ class QueueDiscipline(Choice):
 
     FIFO = "fifo"  # only the head may start
     BACKFILL = "backfill"  # pods behind a blocked head may start (no reservation)
+    EASY = "easy"  # EASY backfill: the head has a reservation that later pods must not delay
 
 
 class ReplayMode(Choice):
@@ -178,6 +179,33 @@ def _offered(a: np.ndarray, d: np.ndarray, g: np.ndarray, w0: float, w1: float, 
     return float((g * np.clip(hi - lo, 0, None)).sum() / (cap_milli * max(w1 - w0, 1e-9)))
 
 
+def scale_to_load(base: np.ndarray, dur: np.ndarray, gpu: np.ndarray, m0: int, load: float, capacity_milli: int,
+                  what: str) -> tuple[float, float]:
+    """The factor for arrival times ``base`` (sorted) that makes the GPU demand averaged over the
+    measured window (arrival ``m0`` to the last) ``load`` x capacity, by bisection; and the load
+    it reaches. ``what`` names the stream in the error when the load is out of reach."""
+
+    def offered(scale: float) -> float:
+        a = base * scale
+        return _offered(a, dur, gpu, float(a[m0]), float(a[-1]), float(capacity_milli))
+
+    lo, hi = 1e-9, 1e3
+    if offered(lo) < load:
+        raise ReplayError(f"offered load {load} is out of reach with {what} (at most {offered(lo):.2f}); use more passes")
+    if offered(hi) > load:
+        hi = 1e6
+    for _ in range(100):
+        mid = math.sqrt(lo * hi)
+        if offered(mid) > load:
+            lo = mid
+        else:
+            hi = mid
+        if hi / lo < 1 + 1e-6:
+            break
+    scale = math.sqrt(lo * hi)
+    return scale, offered(scale)
+
+
 def build_stream(
     pods: Sequence[TracePod],
     load: float,
@@ -210,27 +238,7 @@ def build_stream(
     g_all = np.tile(gpu, passes)
     m0 = warmup_passes * n
 
-    def offered(scale: float) -> float:
-        a = base * scale
-        return _offered(a, d_all, g_all, float(a[m0]), float(a[-1]), float(capacity_milli))
-
-    lo, hi = 1e-9, 1e3
-    if offered(lo) < load:
-        raise ReplayError(
-            f"offered load {load} is out of reach with {passes} passes of {n} pods (at most {offered(lo):.2f});"
-            " use more passes"
-        )
-    if offered(hi) > load:
-        hi = 1e6
-    for _ in range(100):
-        mid = math.sqrt(lo * hi)
-        if offered(mid) > load:
-            lo = mid
-        else:
-            hi = mid
-        if hi / lo < 1 + 1e-6:
-            break
-    scale = math.sqrt(lo * hi)
+    scale, reached = scale_to_load(base, d_all, g_all, m0, load, capacity_milli, f"{passes} passes of {n} pods")
     a = base * scale
     jobs = []
     for k in range(passes):
@@ -238,4 +246,4 @@ def build_stream(
             w = p.workload if k == 0 else replace(p.workload, id=f"{p.workload.id}#{k}")
             j = k * n + i
             jobs.append(Job(j, w, float(a[j]), float(dur[i]), _priority(p.qos), k >= warmup_passes, demand_class(w)))
-    return Stream(jobs, scale, (float(a[m0]), float(a[-1])), offered(scale))
+    return Stream(jobs, scale, (float(a[m0]), float(a[-1])), reached)
