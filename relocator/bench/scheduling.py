@@ -258,8 +258,10 @@ class Day:
             "preemptions_by_reason": {r: sum(1 for e in set_aside if e.get("reason") == r)
                                       for r in sorted({e.get("reason") for e in set_aside})},
             "evictions": sum(1 for e in events if e["kind"] == "worker_evicted"),
-            "suspends": sum(1 for e in events if e["kind"] == "worker_suspended"),
-            "resumes": sum(1 for e in events if e["kind"] == "worker_resumed"),
+            "suspends": sum(1 for e in events if e["kind"] == "worker_suspended" and not e.get("in_place")),
+            "resumes": sum(1 for e in events if e["kind"] == "worker_resumed" and not e.get("in_place")),
+            "pauses": sum(1 for e in events if e["kind"] == "worker_suspended" and e.get("in_place")),
+            "continued_in_place": sum(1 for e in events if e["kind"] == "worker_resumed" and e.get("in_place")),
             "moves": len(moves),
             "moves_failed": sum(1 for e in events if e["kind"] == "relocation_finished" and e.get("result") != "done"),
             **work_lost(results),

@@ -135,7 +135,9 @@ class InPlace:
             w = self.store.worker(worker_id)
             if w is None or w.state != S.RUNNING:
                 raise RuntimeError(f"worker {worker_id} is {w.state if w else 'gone'}, not running")
-            self.backend.hold(w.id)  # new requests go to a sibling (or wait); its streams stall
+            # the router is not told (a stock stack's stopped job): its streams in flight stall
+            # until it continues (a hold or a removal would cut them); new requests go to the
+            # replicas with the fewest in flight, which a stalled one is not
             self.backend.agents.signal(w.node, w.cell_id, int(signal.SIGSTOP))
             if w.reservation:
                 self.backend.free(w.reservation)
@@ -180,7 +182,6 @@ class InPlace:
                 w.reservation = name
                 self.store.save_worker(w)  # owned from here on (update_reservations leaves it)
                 self.backend.agents.signal(w.node, w.cell_id, int(signal.SIGCONT))  # its streams go on
-                self.backend.release(w.id)  # the router's hold ends
             except BaseException:
                 best_effort(f"freeing {name}", lambda: self.backend.free(name))
                 w.reservation = ""
