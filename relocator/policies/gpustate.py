@@ -26,13 +26,22 @@ class GpuBook:
 
     def update(self, ctx: Context, rules: GpuHealthTrigger) -> None:
         used = {(w.get("node"), g) for w in ctx.workers for g in (w.get("gpu_ids") or [])}
+        known = {(d["node"], d["gpu"]) for d in self.store.all(KIND)}
         for node, report in sorted(ctx.health.items()):
+            if report.get("error"):  # the agent did not answer: nothing learnt
+                continue
+            seen = set()
+            room = float(ctx.nodes.get(node, {}).get("gpus_free") or 0) >= 1  # else a hold would wait
             for gpu in report.get("gpus") or []:
                 idx = int(gpu["index"])
+                seen.add(idx)
                 state, why = rules.classify(gpu)
                 if state == GpuState.DRAINING and (node, idx) not in used:
                     state, why = READY_FOR_RESET, why or "drained"
-                self._set(node, idx, state, why, ctx.now, busy=(node, idx) in used)
+                self._set(node, idx, state, why, ctx.now, busy=(node, idx) in used or not room)
+            for n, idx in sorted(known):  # no longer reported as unhealthy (the NVML stand-in removed)
+                if n == node and idx not in seen:
+                    self._set(node, idx, GpuState.HEALTHY, "", ctx.now, busy=(node, idx) in used)
 
     def _set(self, node: str, gpu: int, state: str, why: str, now: float, busy: bool) -> None:
         key = f"{node}/{gpu}"
