@@ -178,7 +178,16 @@ def transfer_checks(image_store: Path | None = None) -> list[Check]:
               fix="" if dirty_ok else "a kernel with CONFIG_MEM_SOFT_DIRTY; without it the worker is frozen for "
                                       "the whole dump (stream) or only for the non-memory state (postcopy)"),
         Check(name="transfer auto picks", ok=True, warning=True, detail=pick),
+        Check(name="transfer handoff (make-before-break)", ok=True, warning=True,
+              detail="on request (transfer: handoff; needs room for a second copy on the target); auto does "
+                     "not pick it: " + _handoff_why()),
     ]
+
+
+def _handoff_why() -> str:
+    from relocator.controller.transfers.handoff import AUTO_WHY
+
+    return AUTO_WHY
 
 
 # -- GPU section: only where an NVIDIA driver answers (docs/gpu.md, "Preflight") -------------

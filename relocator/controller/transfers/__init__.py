@@ -52,6 +52,8 @@ def choose(backend: Any, worker: WorkerRecord, dst: str, requested: TransferMode
         ok, reason = candidate.available(backend, worker, dst)
         why.append(reason)
         if ok:
+            why += [f"{s.mode.value} only on request: {s.auto_why}" for s in STRATEGIES.values()
+                    if s.auto_rank is None and s.auto_why]
             return candidate, "; ".join(w for w in why if w)
     raise RelocationError("no transfer mode can move the worker")  # pragma: no cover - stream always can
 

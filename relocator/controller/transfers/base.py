@@ -38,6 +38,8 @@ class TransferStrategy:
     mode: ClassVar[TransferMode]
     #: `auto` tries the modes by this rank, lowest first; None: `auto` never picks the mode
     auto_rank: ClassVar[int | None] = None
+    #: a mode `auto` never picks: why (said in `auto`'s reason at PLAN, and by preflight)
+    auto_why: ClassVar[str] = ""
     #: the mode freezes the source (HOLD, DUMP): False, the source serves on until SWITCH and a
     #: failure before it only removes the target copy (no resume, no router call back)
     freezes_source: ClassVar[bool] = True

@@ -29,6 +29,11 @@ MAX_ROUNDS = 6
 #: the router's own last rounds right before its cut (relocator.router.catchup): the tokens the
 #: source made since the last round here are prefilled by the router, not by 8 continuations at once
 CATCH_UP_ROUNDS = 4
+#: why `auto` does not pick a handoff (PLAN's reason, preflight; docs/handoff.md "What auto does")
+AUTO_WHY = ("it starts a second copy on the target while the source serves (a cold start where the "
+            "target has no warm image of the worker's kind: 34-69 s on the CPU reference, where a whole "
+            "freeze-and-copy move takes 5-20 s), and with a sibling replica the freezing modes' streams go "
+            "to the sibling at HOLD")
 #: how long streams that cannot be continued exactly may finish on the source after SWITCH
 #: (the default of config controller.handoff_window_s)
 WINDOW_S = 30.0
@@ -111,6 +116,8 @@ def on_source(backend: Any, rel: "Relocation") -> int:
 class HandoffTransfer(TransferStrategy):
     mode = TransferMode.HANDOFF
     freezes_source = False
+    # not ranked for `auto` (docs/handoff.md, "What auto does": the figures behind it)
+    auto_why = AUTO_WHY
     blackout_phases = ("SWITCH",)  # the source serves until the router switches
     calls = HandoffCalls
 
@@ -157,4 +164,4 @@ class HandoffTransfer(TransferStrategy):
         return out
 
 
-__all__ = ["CATCH_UP_ROUNDS", "GAP_TOKENS", "HandoffCalls", "HandoffTransfer", "MAX_ROUNDS", "WINDOW_S", "WarmUp", "warm_up"]
+__all__ = ["AUTO_WHY", "CATCH_UP_ROUNDS", "GAP_TOKENS", "HandoffCalls", "HandoffTransfer", "MAX_ROUNDS", "WINDOW_S", "WarmUp", "warm_up"]
