@@ -164,3 +164,56 @@ async def test_a_failed_catch_up_still_switches_and_bad_rounds_are_refused(env):
             await rc._call("POST", "/control/workers/w1/switch", {"endpoint": fakes[1][1], "catch_up_rounds": bad})
         assert ei.value.status == 400 and ei.value.body["error"]["param"] == "catch_up_rounds"
     await rc.close()
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_eight_splices_at_once_check_the_tokenizer_with_one_engine_call(tmp_path):
+    """A switch cuts every stream at once; the first continuations of a model all want its
+    tokenizer checked against the engine's detokenizer: one call, the others take its verdict."""
+    import json
+
+    from adapters.vllm.codec import Codec
+    from relocator.router.engine_calls import EngineCalls
+    from relocator.router.fakeserver import fake_tokenizer, write_fake_tokenizer
+    from relocator.router.table import Replica
+    from relocator.router.tokenizers import TokenizerRegistry
+
+    posts: list[str] = []
+
+    class Resp:
+        status = 200
+
+        def __init__(self, body: bytes) -> None:
+            self.body = body
+
+        async def read(self) -> bytes:
+            return self.body
+
+        def close(self) -> None:
+            pass
+
+    async def post(url: str, body: bytes) -> Resp:
+        posts.append(url)
+        await asyncio.sleep(0.01)  # the engine answers while the other splices ask
+        text = fake_tokenizer().decode(json.loads(body)["tokens"])
+        return Resp(json.dumps({"prompt": text}).encode())
+
+    reg = TokenizerRegistry()
+    reg.register("fake", write_fake_tokenizer(tmp_path))
+    calls = EngineCalls(post, reg)
+    r = Replica("w1", "fake", "http://t")
+    got = await asyncio.gather(*(calls.tokenizer(r, Codec(), "fake", [97, 98, 99]) for _ in range(8)))
+    assert posts == ["http://t/detokenize"] and all(t is not None for t in got)
+    # a tokenizer the engine disagrees with is distrusted for every waiter
+    reg2 = TokenizerRegistry()
+    reg2.register("fake", write_fake_tokenizer(tmp_path / "2"))
+
+    async def liar(url: str, body: bytes) -> Resp:
+        posts.append(url)
+        await asyncio.sleep(0.01)
+        return Resp(json.dumps({"prompt": "something else"}).encode())
+
+    posts.clear()
+    calls = EngineCalls(liar, reg2)
+    got = await asyncio.gather(*(calls.tokenizer(r, Codec(), "fake", [97, 98]) for _ in range(8)))
+    assert posts == ["http://t/detokenize"] and got == [None] * 8

@@ -4,6 +4,7 @@ check the router's tokenizer against the engine's detokenizer once per model).""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any, Awaitable, Callable
@@ -26,6 +27,7 @@ class EngineCalls:
         self.post = post
         self.tokenizers = tokenizers
         self._checked: set[str] = set()  # models whose tokenizer decodes as the engine does
+        self._checking: dict[str, asyncio.Future] = {}  # models whose check is under way
 
     async def prompt_ids(self, r: Replica, codec: ContinuationCodec,
                          st: StreamState) -> list[int] | None:
@@ -55,6 +57,19 @@ class EngineCalls:
         tok = self.tokenizers.load(model)
         if tok is None or model in self._checked or not sample:
             return tok
+        pending = self._checking.get(model)
+        if pending is not None:  # another stream's check is under way (8 splices at once): its verdict
+            await asyncio.shield(pending)
+            return self.tokenizers.load(model)
+        self._checking[model] = done = asyncio.get_running_loop().create_future()
+        try:
+            return await self._check(r, codec, model, sample, tok)
+        finally:
+            del self._checking[model]
+            done.set_result(None)
+
+    async def _check(self, r: Replica, codec: ContinuationCodec, model: str, sample: list[int],
+                     tok: Any) -> Any | None:
         engine_text = await self.detokenize(r, codec, model, sample)
         if engine_text is None:
             return tok  # the engine cannot say; trust the configured tokenizer
