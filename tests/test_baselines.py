@@ -179,3 +179,52 @@ def test_seeds_change_a_replay_with_resampled_arrivals_only():
     assert waits("trace", 42) == waits("trace", 43)
     assert waits("poisson", 42) != waits("poisson", 43)
     assert waits("poisson", 42) == waits("poisson", 42)
+
+
+# ------------------------------------------------------------------------- the bench
+def test_cli_bench_replay_compares_moves_with_the_best_baseline(tmp_path):
+    import csv
+    import json
+
+    from typer.testing import CliRunner
+
+    from relocator.cli import _register, app
+
+    _register()
+    d = tmp_path / "trace"
+    d.mkdir()
+    with (d / "openb_node_list_gpu_node.csv").open("w", newline="") as fh:
+        csv.writer(fh).writerows([["sn", "cpu_milli", "memory_mib", "gpu", "model"]] +
+                                 [[f"n{i}", 16000, 65536, g, "G"] for i, g in enumerate([2, 4, 4, 8])])
+    with (d / "openb_pod_list_default.csv").open("w", newline="") as fh:
+        csv.writer(fh).writerows([["name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli", "gpu_spec", "qos", "pod_phase",
+                                   "creation_time", "deletion_time", "scheduled_time"]] +
+                                 [[p.workload.id, p.workload.cpu_milli, p.workload.memory_mib, p.workload.num_gpu,
+                                   p.workload.gpu_milli, "", p.qos, "Running", p.creation_time, p.deletion_time, ""]
+                                  for p in pods_with_times(40)])
+    runner = CliRunner()
+    png = tmp_path / "arms.png"
+    res = runner.invoke(app, ["bench", "replay", "--trace", str(d), "--policy", "best-fit", "--mode", "none,moves", "--load", "1.3",
+                              "--queue", "fifo,easy", "--seeds", "2", "--passes", "3", "--jobs", "1", "--json",
+                              "--plot", str(tmp_path / "r.png"), "--plot-arms", str(png)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    runs = doc["runs"]
+    assert {(r["queue"], r["mode"], r["seed"]) for r in runs} == {(q, m, s) for q in ("fifo", "easy") for m in ("none", "moves")
+                                                                   for s in (42, 43)}
+    assert len({r["wait_s_p99_all"] for r in runs if r["mode"] == "none" and r["queue"] == "easy"}) == 2  # seeds differ
+    for r in runs:
+        if r["mode"] != "moves" or r["wait_s_p99"] is None:
+            continue
+        base = [b for b in runs if b["mode"] == "none" and b["seed"] == r["seed"] and b["wait_s_p99"] is not None]
+        best = min(base, key=lambda b: b["wait_s_p99"])
+        assert r["best_baseline"] == best["queue"]
+        if best["wait_s_p99"]:
+            assert r["p99_vs_best_baseline"] == pytest.approx(r["wait_s_p99"] / best["wait_s_p99"], abs=1e-3)
+    groups = {(e["queue"], e["mode"]) for e in doc["results"]}
+    assert groups == {("fifo", "none"), ("fifo", "moves"), ("easy", "none"), ("easy", "moves")}
+    assert png.stat().st_size > 0
+    bad = runner.invoke(app, ["bench", "replay", "--trace", str(d), "--queue", "fifo,sjf"])
+    assert bad.exit_code == 2 and "valid: fifo, backfill, easy" in bad.output
+    bad = runner.invoke(app, ["bench", "replay", "--trace", str(d), "--arrivals", "uniform"])
+    assert bad.exit_code == 2 and "uniform" in bad.output

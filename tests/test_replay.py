@@ -268,7 +268,7 @@ def test_cli_replay_json(tmp_path):
 def test_cli_bench_replay_json_with_a_multigpu_list(tmp_path):
     d = synth_trace(tmp_path)
     res = runner.invoke(app, ["bench", "replay", "--trace", str(d), "--variants", "default,multigpu50", "--policy", "fgd",
-                              "--passes", "3", "--jobs", "1", "--json", "--plot", str(tmp_path / "b.png")])
+                              "--seeds", "1", "--passes", "3", "--jobs", "1", "--json", "--plot", str(tmp_path / "b.png")])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)["results"]
     assert {(r["pods"], r["mode"], r["load"]) for r in out} == {(v, m, L) for v in ("default", "multigpu50")
@@ -278,7 +278,7 @@ def test_cli_bench_replay_json_with_a_multigpu_list(tmp_path):
 def test_cli_bench_replay_seeds_mean_and_spread(tmp_path):
     d = synth_trace(tmp_path)
     res = runner.invoke(app, ["bench", "replay", "--trace", str(d), "--policy", "best-fit", "--mode", "none,moves", "--load", "1.3",
-                              "--seeds", "3", "--passes", "3", "--jobs", "1", "--json", "--plot", str(tmp_path / "b.png")])
+                              "--queue", "fifo", "--seeds", "3", "--passes", "3", "--jobs", "1", "--json", "--plot", str(tmp_path / "b.png")])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert len(doc["runs"]) == 6 and {r["seed"] for r in doc["runs"]} == {42, 43, 44}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -12,15 +13,18 @@ import typer
 
 from relocator.cli import bench_app
 from relocator.cli.replay import MODE_LIST, _load_list, _mode_list, load_list_option, make_configs, print_results, run_configs
+from relocator.cli.replay_baselines import (BASELINE_KEYS, QUEUE_HELP, QUEUE_LIST, arrivals_option, print_baselines,
+                                            queue_list, with_best_baseline)
 from relocator.cli.replay_gpushare import GPUSHARE_KEYS, PACK_EVERY, print_gpushare, set_pack_every, with_frag_ratio
 from relocator.cli.simulate import POLICY_LIST, fail, load_inputs, parse_choices
-from relocator.sim.replay import QueueDiscipline, ReplayMode
+from relocator.sim.arrivals import Arrivals
+from relocator.sim.replay import ReplayMode
 
 #: figures averaged over seeds (mean, sd, min, max)
 AGG_KEYS = ("wait_s_p50", "wait_s_p99", "wait_s_max", "wait_s_p99_all", "alloc_ratio_mean", "queue_len_mean", "moves",
             "moves_per_hour", "moves_per_100_arrivals", "interventions_per_100_arrivals", "suspensions", "plans",
             "plans_wasted", "blackout_s_total", "pod_hours_lost", "kill_restart_pod_hours_lost", "measured_arrivals",
-            "window_h", "seconds", "p99_cut", "p50_cut", "alloc_gain") + GPUSHARE_KEYS
+            "window_h", "seconds", "p99_cut", "p50_cut", "alloc_gain") + GPUSHARE_KEYS + BASELINE_KEYS
 
 
 def _stats(xs: list[float]) -> dict:
@@ -32,10 +36,10 @@ def _stats(xs: list[float]) -> dict:
 
 def with_gains(results: list[dict]) -> None:
     """Per run with moves: the cut of the >= 4-GPU p99 (and p50) wait and the gain in mean
-    allocation against the run without moves of the same pod list, policy, load and seed."""
-    base = {(r.get("pods"), r["policy"], r["load"], r["seed"]): r for r in results if r["mode"] == ReplayMode.NONE.value}
+    allocation against the run without moves of the same pod list, policy, queue, load and seed."""
+    base = {(r.get("pods"), r["policy"], r["queue"], r["load"], r["seed"]): r for r in results if r["mode"] == ReplayMode.NONE.value}
     for r in results:
-        b = base.get((r.get("pods"), r["policy"], r["load"], r["seed"]))
+        b = base.get((r.get("pods"), r["policy"], r["queue"], r["load"], r["seed"]))
         if b is None:
             continue
         for k, cut in (("wait_s_p99", "p99_cut"), ("wait_s_p50", "p50_cut")):
@@ -45,14 +49,14 @@ def with_gains(results: list[dict]) -> None:
 
 
 def aggregate(results: list[dict]) -> list[dict]:
-    """One entry per pod list x policy x mode x load: the mean over seeds under each figure's
+    """One entry per pod list x policy x queue x mode x load: the mean over seeds under each figure's
     own key, and ``spread`` {key: {mean, sd, min, max}} (sd with n-1; 0 for one seed)."""
     groups: dict[tuple, list[dict]] = {}
     for r in results:
-        groups.setdefault((r.get("pods"), r["policy"], r["mode"], r["load"]), []).append(r)
+        groups.setdefault((r.get("pods"), r["policy"], r["queue"], r["mode"], r["load"]), []).append(r)
     out = []
-    for (pods, policy, mode, load), rs in groups.items():
-        e: dict = {"pods": pods, "policy": policy, "mode": mode, "load": load, "queue": rs[0]["queue"],
+    for (pods, policy, queue, mode, load), rs in groups.items():
+        e: dict = {"pods": pods, "policy": policy, "mode": mode, "load": load, "queue": queue,
                    "seeds": [r["seed"] for r in rs], "spread": {}}
         for k in AGG_KEYS:
             xs = [r[k] for r in rs if r.get(k) is not None]
@@ -63,7 +67,8 @@ def aggregate(results: list[dict]) -> list[dict]:
             e["spread"][k] = {x: round(v, 4) for x, v in s.items()}
             e[k] = round(s["mean"], 4)
         e["per_seed"] = [{k: r.get(k) for k in ("seed", "wait_s_p50", "wait_s_p99", "alloc_ratio_mean", "moves_per_100_arrivals",
-                                                 "interventions_per_100_arrivals", "plans", "plans_wasted", "p99_cut")} for r in rs]
+                                                 "interventions_per_100_arrivals", "plans", "plans_wasted", "p99_cut",
+                                                 "p99_vs_best_baseline")} for r in rs]
         out.append(e)
     return out
 
@@ -79,12 +84,12 @@ def print_aggregate(results: list[dict], title: str) -> None:
         return f"{format(e[k], fmt)} ± {format(sd, fmt)}" if len(e["seeds"]) > 1 else format(e[k], fmt)
 
     t = Table(title=title)
-    cols = ("pods", "policy", "mode", "load", "seeds", "wait p50 >=4 GPU s", "wait p99 >=4 GPU s", "p99 cut", "alloc mean",
+    cols = ("pods", "policy", "queue", "mode", "load", "seeds", "wait p50 >=4 GPU s", "wait p99 >=4 GPU s", "p99 cut", "alloc mean",
             "alloc gain", "moves/100 arr.", "interv./100 arr.", "plans (wasted)", "blackout s")
     for c in cols:
-        t.add_column(c, justify="left" if c in ("pods", "policy", "mode") else "right")
+        t.add_column(c, justify="left" if c in ("pods", "policy", "queue", "mode") else "right")
     for e in results:
-        t.add_row(e["pods"] or "", e["policy"], e["mode"], f"{e['load']:.1f}", str(len(e["seeds"])), pm(e, "wait_s_p50", ".0f"),
+        t.add_row(e["pods"] or "", e["policy"], e["queue"], e["mode"], f"{e['load']:.1f}", str(len(e["seeds"])), pm(e, "wait_s_p50", ".0f"),
                   pm(e, "wait_s_p99", ".0f"), pm(e, "p99_cut", ".1%"), pm(e, "alloc_ratio_mean", ".3f"), pm(e, "alloc_gain", "+.3f"),
                   pm(e, "moves_per_100_arrivals", ".2f"), pm(e, "interventions_per_100_arrivals", ".2f"),
                   f"{e['plans'] or 0:.0f} ({e['plans_wasted'] or 0:.0f})", pm(e, "blackout_s_total", ".0f"))
@@ -99,9 +104,10 @@ def bench_replay(
     mode: str = typer.Option(",".join(m for m in ReplayMode.values() if m != ReplayMode.MOVES_PACK), "--mode",
                              callback=MODE_LIST, help="Modes, comma-separated (moves+pack: for the gpushare lists)."),
     load: str = typer.Option("0.9,1.3", "--load", callback=load_list_option, help="Offered loads, comma-separated."),
-    queue: QueueDiscipline = typer.Option(QueueDiscipline.FIFO, "--queue", help="fifo or backfill."),
+    queue: str = typer.Option("fifo,easy", "--queue", callback=QUEUE_LIST, help=QUEUE_HELP),
+    arrivals: Arrivals = arrivals_option(Arrivals.POISSON),
     seed: int = typer.Option(42, "--seed", help="First seed."),
-    seeds: int = typer.Option(1, "--seeds", help="Seeds per configuration (seed, seed+1, ...): figures are the mean over them, with their spread (sd, min, max)."),
+    seeds: int = typer.Option(5, "--seeds", help="Seeds per configuration (seed, seed+1, ...): figures are the mean over them, with their spread (sd, min, max)."),
     passes: int = typer.Option(4, "--passes", help="Passes of the pod list (the first is warm-up)."),
     moves_per_pod: int = typer.Option(4, "--moves-per-pod", help="Most moves to seat one pod."),
     budget: float = typer.Option(1.0, "--budget", help="Moves (and suspensions) per 100 arrivals (a bucket capped at --budget-cap)."),
@@ -109,6 +115,7 @@ def bench_replay(
     pack_every: float = PACK_EVERY,
     jobs: int = typer.Option(2, "--jobs", help="Runs in parallel (processes)."),
     plot: Optional[Path] = typer.Option(Path("docs/img/replay_default.png"), "--plot", help="PNG of the first pod list and policy, at the first load and seed: allocation and queue over time per mode."),
+    plot_arms: Optional[Path] = typer.Option(None, "--plot-arms", help="PNG (e.g. docs/img/replay_baselines.png) of the >= 4-GPU p99 wait per queue and mode, one panel per pod list and load (first policy)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object: {results: [...] (means over seeds), runs: [...] (one per seed)}."),
 ) -> None:
     """Replay with departures: queueing delay, allocation and moves, with and without relocation."""
@@ -126,6 +133,7 @@ def bench_replay(
     if not names:
         raise fail("no pod list given in --variants")
     loads = _load_list(load)
+    queues = queue_list(queue)
     runs: list[dict] = []
     first_series: list[dict] = []
     for name in names:
@@ -134,8 +142,8 @@ def bench_replay(
             pods = default_pods if name == "default" else load_pods(path)
         except TraceError as exc:
             raise fail(str(exc)) from None
-        cfgs = [c for s in range(seed, seed + seeds)
-                for c in make_configs(policies, _mode_list(mode), loads, s, queue, passes, moves_per_pod, budget,
+        cfgs = [replace(c, arrivals=arrivals.value) for s in range(seed, seed + seeds) for q in queues
+                for c in make_configs(policies, _mode_list(mode), loads, s, q, passes, moves_per_pod, budget,
                                       None, None, 0.0, None, False, budget_cap)]
         set_pack_every(cfgs, pack_every)
         if not as_json:
@@ -144,23 +152,36 @@ def bench_replay(
         for r in out:
             r["pods"] = name
         if not first_series:
-            first_series = [r for r in out if r["policy"] == policies[0] and r["load"] == loads[0] and r["seed"] == seed]
+            first_series = [r for r in out if r["policy"] == policies[0] and r["load"] == loads[0] and r["seed"] == seed
+                            and r["queue"] == queues[0]]
             if plot is not None:
                 from relocator.sim.plot import plot_replay
 
-                plot_replay(first_series, plot, title=f"openb {name}, {policies[0]}, offered load {loads[0]:.1f}x, {queue.value}, seed {seed}")
+                plot_replay(first_series, plot, title=f"openb {name}, {policies[0]}, offered load {loads[0]:.1f}x, {queues[0]}, seed {seed}")
         for r in out:
             r.pop("series", None)
         runs.extend(out)
+    _report(runs, policies[0], seeds, arrivals.value, plot, plot_arms, as_json)
+
+
+def _report(runs: list[dict], policy: str, seeds: int, arrivals: str, plot: Optional[Path], plot_arms: Optional[Path],
+            as_json: bool) -> None:
+    """The figures against the runs without moves, the means over seeds, the plots, the tables or the JSON."""
     with_gains(runs)
+    with_best_baseline(runs)
     with_frag_ratio(runs)
     results = aggregate(runs)
+    if plot_arms is not None and any(e.get("wait_s_p99") is not None for e in results):
+        from relocator.sim.plot_arms import plot_arms as draw_arms
+
+        draw_arms(results, plot_arms, policy)
     if as_json:
         sys.stdout.write(json.dumps({"results": results, "runs": runs, "plot": str(plot) if plot else None}, indent=2) + "\n")
         return
     if seeds == 1:
         print_results(runs, "replay with departures")
     print_aggregate(results, f"replay with departures, mean ± sd over {seeds} seed(s)")
+    print_baselines(results, f"against the best baseline (lowest >= 4-GPU p99 without moves), {arrivals} arrivals, mean ± sd over {seeds} seed(s)")
     print_gpushare(runs, "GPU sharing: fragmented GPUs (the FGD authors' measure) and nodes with all GPUs free, per seed")
     if plot is not None:
         typer.echo(f"plot: {plot}")

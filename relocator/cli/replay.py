@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -14,6 +15,7 @@ from relocator.cli import app
 from relocator.cli.common import choice_list
 from relocator.cli.replay_gpushare import PACK_EVERY, print_gpushare, set_pack_every, with_frag_ratio
 from relocator.cli.simulate import POLICY_LIST, fail, load_inputs, parse_choices
+from relocator.sim.arrivals import Arrivals
 from relocator.sim.replay import QueueDiscipline, ReplayMode
 
 
@@ -109,7 +111,8 @@ def replay_cmd(
     policy: str = typer.Option("fgd", "--policy", callback=POLICY_LIST, help="Placement policies, comma-separated."),
     mode: str = typer.Option("none,moves", "--mode", callback=MODE_LIST, help=f"Modes, comma-separated: {', '.join(ReplayMode.values())}."),
     load: str = typer.Option("1.3", "--load", callback=load_list_option, help="Offered loads (x GPU capacity), comma-separated: 1.0,1.3,1.6."),
-    queue: QueueDiscipline = typer.Option(QueueDiscipline.FIFO, "--queue", help="fifo: only the head starts; backfill: pods behind a blocked head may start."),
+    queue: QueueDiscipline = typer.Option(QueueDiscipline.FIFO, "--queue", help="fifo: only the head starts; easy: EASY backfill (later pods may start if they do not delay the head's reservation); backfill: later pods start wherever they fit (no reservation)."),
+    arrivals: str = typer.Option("trace", "--arrivals", help="trace: the list's creation order and gaps; poisson: each pass a seeded shuffle of the list with exponential gaps at the offered load."),
     seed: int = typer.Option(42, "--seed", help="Seed (policy ties, donor times)."),
     passes: int = typer.Option(4, "--passes", help="Times the pod list is replayed back to back; the first pass warms the cluster up and is not measured."),
     moves_per_pod: int = typer.Option(4, "--moves-per-pod", help="Most moves to seat one pod."),
@@ -134,6 +137,10 @@ def replay_cmd(
     cfgs = make_configs(policies, _mode_list(mode), _load_list(load), seed, queue, passes, moves_per_pod, budget,
                         max_moves_per_hour, max_moved_gpus, min_gpus, consolidate_every, shared_storage, budget_cap)
     set_pack_every(cfgs, pack_every)
+    try:
+        cfgs = [replace(c, arrivals=Arrivals(arrivals).value) for c in cfgs]
+    except ValueError as exc:
+        raise fail(str(exc)) from None
     results = run_configs(nodes, pod_list, cfgs, donor, max(1, jobs), quiet=as_json)
     if plot is not None:
         from relocator.sim.plot import plot_replay

@@ -17,10 +17,10 @@ GPUSHARE_KEYS = ("frag_gpus_mean", "frag_gpus_gpu_mean", "free_nodes_mean", "pac
 
 def with_frag_ratio(results: list[dict]) -> None:
     """Each run's `frag_ratio`: its mean fragmented GPUs over those of the run without moves of
-    the same pod list, policy, load and seed (1.0 for that run itself)."""
-    base = {(r.get("pods"), r["policy"], r["load"], r["seed"]): r for r in results if r["mode"] == "none"}
+    the same pod list, policy, queue, load and seed (1.0 for that run itself)."""
+    base = {(r.get("pods"), r["policy"], r.get("queue"), r["load"], r["seed"]): r for r in results if r["mode"] == "none"}
     for r in results:
-        b = base.get((r.get("pods"), r["policy"], r["load"], r["seed"]))
+        b = base.get((r.get("pods"), r["policy"], r.get("queue"), r["load"], r["seed"]))
         if b is not None and b.get("frag_gpus_mean") and r.get("frag_gpus_mean") is not None:
             r["frag_ratio"] = round(r["frag_gpus_mean"] / b["frag_gpus_mean"], 4)
 
