@@ -64,3 +64,47 @@ def test_second_launch_of_a_kind_is_a_warm_restore(relocator_cluster) -> None:
     wait_for(lambda: "warm-a" not in json.dumps(ctl.cells()) and "warm-b" not in json.dumps(ctl.cells()),
              60, "the warm test's cells gone")
     assert not {"warm-a", "warm-b"} & set(workers(ctl))
+
+
+def _holders(base: Path, key: str, nodes: list[str]) -> set[str]:
+    from relocator.warm.roots import cluster_dirs
+
+    return {n for n in nodes if any((d / "images" / key).is_dir() for d in cluster_dirs(base, n))}
+
+
+def test_images_are_copied_ahead_of_need_and_on_demand(relocator_cluster) -> None:
+    """A kind's image reaches a second node by itself (prefetch.copies: 1, checksummed), and a
+    start on a node without it copies it from a peer and restores instead of starting cold."""
+    from relocator.warm.roots import open_cluster_store
+
+    ctl = relocator_cluster
+    base = Path("/var/tmp") / f"relocator-test-{os.getpid()}"
+    nodes = sorted(n["id"] for n in ctl.status()["nodes"] if n["alive"])
+    a = ctl.launch(MODEL, gpus=1, worker_id="warm-c")
+    try:
+        first = _started(ctl, "warm-c")
+        key = first["key"]
+        # the capture (cold start) or an earlier test filed it; the controller copies it on
+        wait_for(lambda: len(_holders(base, key, nodes)) >= 2, 120, f"image {key} on two nodes")
+        copied = [e for e in ctl.events(since=0, kinds=["warm_image_copied"], idle_timeout=1, wait_s=1)
+                  if e["key"] == key]
+        assert copied and copied[0]["bytes"] > 0, "no warm_image_copied event for the kind"
+        holders = _holders(base, key, nodes)
+        others = sorted(set(nodes) - {a["node"]})
+        target = others[0]
+        if len(holders) == len(nodes):  # every node has it already: take it from one, which then must copy
+            open_cluster_store(base, target).rm(key)
+        elif target in holders:
+            target = others[1]
+        ctl.launch(MODEL, gpus=1, node=target, worker_id="warm-d")
+        try:
+            second = _started(ctl, "warm-d")
+            assert second["how"] == "warm" and second["key"] == key, second
+            assert second["copied"] and second["copied"]["copied"] and second["copied"]["bytes"] > 0, second
+            assert target in _holders(base, key, nodes)
+            assert _complete(workers(ctl)["warm-d"]["endpoint"])["choices"][0]["text"] is not None
+            print(f"on-demand copy to {target}: {second['copied']}; start {second['seconds']} s")
+        finally:
+            ctl.stop_worker("warm-d")
+    finally:
+        ctl.stop_worker("warm-c")

@@ -21,11 +21,8 @@ from relocator.agent.modes import ModeOps
 from relocator.waits import settle
 from relocator.warm.launch import WarmStarts
 
-NAMESPACE = "relocator"
-
-
-def agent_name(node: str) -> str:
-    return f"relocator-agent-{node}"
+from relocator.agent.names import NAMESPACE, agent_name  # noqa: F401 - re-exported
+from relocator.agent.warmcopy import WarmCopyOps, batched_arrays, pulled_chunks
 
 
 def _report_if_ran(cell: Any) -> None:
@@ -41,7 +38,7 @@ def _report_if_ran(cell: Any) -> None:
             "cell %s: the source ran after its dump (a second live copy): %s", cell.id, "; ".join(ran))
 
 
-class NodeAgent(ModeOps):  # every transfer mode's ops (relocator.agent.modes)
+class NodeAgent(ModeOps, WarmCopyOps):  # every transfer mode's ops, warm image copies
     def __init__(self, node: str, state_dir: str, images_dir: str,
                  credentials: dict[str, str] | None = None) -> None:
         # One agent per process: the cell registry follows RELOCATOR_STATE_DIR.
@@ -62,7 +59,7 @@ class NodeAgent(ModeOps):  # every transfer mode's ops (relocator.agent.modes)
         self._receivers: dict[str, Any] = {}
         self._lazy_dumps: dict[str, Any] = {}
         self.started_at = time.time()
-        self.warm = WarmStarts(node, self._cluster_base())  # issue 28: starts from warm images
+        self.warm = WarmStarts(node, self._cluster_base(), fetch=self.fetch_warm_from_peers)  # issue 28
         self.adopted = self._adopt()
 
     # -- helpers ----------------------------------------------------------------------------
@@ -385,22 +382,9 @@ class NodeAgent(ModeOps):  # every transfer mode's ops (relocator.agent.modes)
         """Chunks of an image for a peer agent (a Ray streaming generator), in batches of about
         `chunk_bytes`: an image has ~100 small files, and one Ray object each cost more than
         their bytes (0.3-0.4 s of a streamed move's TRANSFER on a loaded machine)."""
-        import numpy as np
-
         from relocator.agent.transfer import iter_chunks
 
-        # as uint8 arrays: the receiver reads them straight out of the object store (zero
-        # copy), 3x faster than bytes, which Ray pickles in-band
-        batch: list[tuple] = []
-        size = 0
-        for name, offset, data, digest in iter_chunks(image_dir, chunk_bytes):
-            batch.append((name, offset, np.frombuffer(data, dtype=np.uint8), digest))
-            size += len(data)
-            if size >= chunk_bytes:
-                yield batch
-                batch, size = [], 0
-        if batch:
-            yield batch
+        yield from batched_arrays(iter_chunks(image_dir, chunk_bytes), chunk_bytes)
 
     def receive_image(self, src_node: str, src_image_dir: str, dst_image_dir: str,
                       chunk_bytes: int = 16 << 20) -> dict[str, Any]:
@@ -440,16 +424,7 @@ class NodeAgent(ModeOps):  # every transfer mode's ops (relocator.agent.modes)
         # at most 4 chunks in flight: the image never has to fit in the object store
         gen = src.stream_image.options(num_returns="streaming", _generator_backpressure_num_objects=4).remote(
             src_image_dir, chunk_bytes)
-
-        def chunks() -> Iterator[tuple]:
-            for ref in gen:
-                batch = ray.get(ref)
-                del ref  # the arrays keep their buffer pinned only while they are used
-                while batch:
-                    name, offset, data, digest = batch.pop(0)
-                    yield (name, offset, memoryview(data), digest)
-
-        out = receive_chunks(chunks(), dst_image_dir, present=landed if pages is not None else None)
+        out = receive_chunks(pulled_chunks(gen), dst_image_dir, present=landed if pages is not None else None)
         if pages is not None:
             complete_manifest(Path(dst_image_dir), pages.pop("files"))
             out = {**out, "streamed_pages_bytes": pages["page_bytes"],

@@ -106,6 +106,12 @@ class AgentClient:
     def cells(self, node: str, timeout: float = 60) -> list[dict]:
         return self.call(node, lambda a: a.cells.remote(), "cells", timeout)
 
+    def warm_keys(self, node: str, timeout: float = 10) -> list[str]:
+        return self.call(node, lambda a: a.warm_keys.remote(), "warm_keys", timeout)
+
+    def fetch_warm(self, node: str, src: str, key: str, timeout: float = 600) -> dict:
+        return self.call(node, lambda a: a.fetch_warm.remote(src, key), "fetch_warm", timeout)
+
     def kill_all(self, node: str, timeout: float = 120) -> list[str]:
         return self.call(node, lambda a: a.kill_all.remote(), "kill_all", timeout)
 

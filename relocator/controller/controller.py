@@ -111,6 +111,19 @@ class Controller:
             run=lambda k: self.consolidate(max_moves=k), busy=self.demands.busy)
         self._wire_why()
         self._wire_policies()
+        self._wire_warm_copies()
+
+    def _wire_warm_copies(self) -> None:
+        """Warm images kept on `prefetch.copies` other nodes, other hosts first (warmcopies.py)."""
+        from relocator.controller.inventory import ray_hosts
+        from relocator.controller.warmcopies import WarmCopies
+
+        live = lambda: {n.id: n.ray_node_id for n in self.nodes.inventory().values() if n.alive}  # noqa: E731
+        agents = getattr(self.backend, "agents", None)  # a fake backend (without_ray) has none
+        self.warm_copies = WarmCopies(
+            nodes=lambda: list(live()) if agents is not None else [], keys=lambda n: agents.warm_keys(n),
+            fetch=lambda dst, src, key: agents.fetch_warm(dst, src, key), emit=self.emit,
+            host_of=lambda: ray_hosts(live()), cordoned=self.cordoned)
 
     def _wire_why(self) -> None:
         """`why` (relocator/controller/explain.py): its inputs, and the launch refusal of a
@@ -229,7 +242,8 @@ class Controller:
                 ("update_reservations", self.nodes.update_reservations), ("update_cells", self.nodes.update_cells),
                 ("update_deadlines", self.demands.update_deadlines), ("update_paused", self.set_aside.in_place.update),
                 ("update_demands", self.demands.update),
-                ("update_consolidation", self.periodic.update), ("update_policies", self.policies.update)]
+                ("update_consolidation", self.periodic.update), ("update_policies", self.policies.update),
+                ("update_warm_copies", self.warm_copies.update)]
 
     def reconcile_once(self) -> dict:
         stats = {}

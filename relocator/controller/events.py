@@ -47,11 +47,14 @@ class EventKind(Choice):
     # every change of a worker's state outside a relocation (states.transition)
     WORKER_STATE = "worker_state"  # worker, node, from, to, why
     # how a start went (issue 28): how (warm: restored from its kind's image | cold), key, reason, capture
-    WORKER_STARTED = "worker_started"  # worker, node, cell, how, key, reason, capture, seconds
+    WORKER_STARTED = "worker_started"  # worker, node, cell, how, key, reason, capture, copied, seconds
     # policies (docs/policies.md): what a policy planned when it fired, how it went; GPU health
     POLICY_PLANNED = "policy_planned"  # policy, trigger, action, firing, steps, move_s, short_by_s
     POLICY_OUTCOME = "policy_outcome"  # policy, firing, results, ok, met_deadline, seconds
     GPU_HEALTH = "gpu_health"  # node, gpu, from, to (healthy | draining | ready_for_reset | failed), why
+    # warm images copied ahead of need (controller/warmcopies.py): key, src, dst, bytes, seconds | error
+    WARM_IMAGE_COPIED = "warm_image_copied"
+    WARM_COPY_FAILED = "warm_copy_failed"
 
 
 def json_line_logger(path: Path | None) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from relocator import shares
 from relocator.gpus import GpuFact, local_gpus  # noqa: F401 - re-exported: they live low, in relocator.gpus
 
 NODE_RESOURCE = "relocator_node:"
@@ -21,7 +22,7 @@ class NodeInfo:
     id: str
     ray_node_id: str
     gpus_total: int
-    gpus_free: int
+    gpus_free: float  # whole GPUs and shares nothing holds (an int when whole, relocator.shares.count)
     alive: bool = True
     #: the node's real GPUs as its agent reports them (`local_gpus`); empty: fake GPUs
     gpus: list["GpuFact"] = field(default_factory=list)
@@ -64,12 +65,13 @@ def ray_nodes(known: dict[str, str] | None = None, named: dict[str, str] | None 
         # are all reserved has no "GPU" key (0 free, not all free); a node missing from the
         # view altogether (older Ray, no report yet) counts as all free
         node_avail = avail.get(n["NodeID"])
-        free = (int(node_avail.get("GPU", 0)) if node_avail is not None else total) if n["Alive"] else 0
+        # shares leave a fraction (3.25: a 0.75 share held); relocator.shares.count keeps it
+        free = (shares.count(node_avail.get("GPU", 0)) if node_avail is not None else total) if n["Alive"] else 0
         out[names[0]] = NodeInfo(names[0], n["NodeID"], total, free, bool(n["Alive"]))
     return dict(sorted(out.items()))
 
 
-def best_fit(free: dict[str, int], gpus: int, exclude: tuple[str, ...] = (), totals: dict[str, int] | None = None,
+def best_fit(free: dict[str, float], gpus: float, exclude: tuple[str, ...] = (), totals: dict[str, int] | None = None,
              policy: str = "best-fit") -> str | None:
     """The node to put a `gpus`-GPU worker on: the planner's `policy` when it knows every node's
     total (`totals`), else plain best-fit (fewest GPUs left over, ties by name). An unknown
@@ -85,10 +87,13 @@ def best_fit(free: dict[str, int], gpus: int, exclude: tuple[str, ...] = (), tot
             nodes = [planner.NodeSpec(n, 10**6, 10**7, totals[n]) for n in sorted(free)]
             cluster = planner.Cluster(nodes)
             for n in sorted(free):
-                used = totals[n] - free[n]
-                if used > 0:
-                    cluster.add(planner.Workload(f"_used_{n}", num_gpu=used, gpu_milli=1000), n)
-            placement = planner.place(cluster, planner.Workload("_new", num_gpu=gpus, gpu_milli=1000),
+                whole, rest = divmod(shares.milli(totals[n] - free[n]), planner.MILLI)  # shares: one GPU in part
+                if whole > 0:
+                    cluster.add(planner.Workload(f"_used_{n}", num_gpu=whole, gpu_milli=planner.MILLI), n)
+                if rest > 0:
+                    cluster.add(planner.Workload(f"_used_{n}_share", num_gpu=1, gpu_milli=rest), n)
+            num, per = shares.shape(gpus)
+            placement = planner.place(cluster, planner.Workload("_new", num_gpu=num, gpu_milli=per),
                                       policy=policy.value, exclude=tuple(n for n in exclude if n in free))
         except (planner.PlannerError, KeyError) as exc:  # an inventory the planner cannot model
             log.warning("placement by %s failed (%s); using plain best-fit", policy, exc)
@@ -96,3 +101,12 @@ def best_fit(free: dict[str, int], gpus: int, exclude: tuple[str, ...] = (), tot
             if placement is not None and placement.node in candidates:
                 return placement.node
     return min(candidates, key=lambda n: (candidates[n] - gpus, n))
+
+
+def ray_hosts(ray_node_ids: dict[str, str]) -> dict[str, str]:
+    """{node: the address of its host} for {node: Ray node id}: nodes of one host share it
+    (the loopback cluster's nodes are all one host; emulated and real hosts each have their own)."""
+    import ray
+
+    addr = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes()}
+    return {node: addr.get(rid) or node for node, rid in ray_node_ids.items()}

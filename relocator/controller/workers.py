@@ -13,7 +13,7 @@ from typing import Any, Callable
 from relocator.controller.backend import NodeLost
 from relocator.controller.claims import Claims, best_effort
 from relocator.controller.events import EventKind
-from relocator.controller.model import Demand, WorkerRecord, WorkerState, tokenizer_of
+from relocator.controller.model import Demand, WorkerRecord, WorkerState, engine_extra, tokenizer_of
 from relocator.controller.states import transition
 from relocator.controller.store import Store
 
@@ -108,11 +108,11 @@ class WorkerManager:
         event saying which and why."""
         t = time.monotonic()
         info = self.backend.agents.launch(node, w.cell_id, w.model_dir, w.model, engine=w.engine,
-                                          gpu_ids=w.gpu_ids or None)
+                                          gpu_ids=w.gpu_ids or None, extra=engine_extra(w.gpus))
         warm = info.get("warm") or {}
         self.emit(EventKind.WORKER_STARTED, worker=w.id, node=node, cell=w.cell_id, how=warm.get("how", "cold"),
                   key=warm.get("key"), reason=warm.get("reason", ""), capture=warm.get("capture"),
-                  seconds=round(time.monotonic() - t, 3))
+                  copied=warm.get("copied"), seconds=round(time.monotonic() - t, 3))
         return info
 
     def replace(self, w: WorkerRecord) -> None:

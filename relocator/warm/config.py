@@ -41,7 +41,12 @@ class CaptureSection(_Section):
 
 
 class PrefetchSection(_Section):
+    #: other nodes (other hosts first) that get a copy of every image ahead of need
     copies: int = Field(1, ge=0, le=15)
+    #: a start that finds no image of its kind on its node copies one from a peer first
+    on_demand: bool = True
+    #: how often the controller looks for images held by too few nodes (seconds)
+    interval_s: float = Field(10.0, gt=0)
 
 
 class WarmConfig(BaseSettings):

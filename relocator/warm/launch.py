@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from relocator.warm.config import WarmConfig
 
@@ -30,8 +30,12 @@ FILING_WAIT_S = 120.0
 class WarmStarts:
     """One per agent: its node's store, the captures in flight."""
 
-    def __init__(self, node: str, base_dir: str | Path) -> None:
+    def __init__(self, node: str, base_dir: str | Path,
+                 fetch: Callable[[str], dict[str, Any] | None] | None = None) -> None:
         self.node, self.base_dir = node, Path(base_dir)
+        #: fetch(key): copy that kind's image from a peer node into this store (None: none has
+        #: it); a start that finds no image here tries it before starting cold
+        self.fetch = fetch
         self._guard = threading.Lock()
         self._filing: dict[str, threading.Event] = {}  # key -> set once filed (or given up)
 
@@ -78,6 +82,7 @@ class WarmStarts:
         try:
             key = key_for_launch(spec, engine, gpu_ids)
             self._wait_filing(key)
+            copied = self._fetch_if_missing(cfg, key)
             cell = restore_warm(self.store(cfg), key, RestoreTarget(cell_id=cell_id, gpu_ids=gpu_ids))
         except (NoWarmImage, ImageError, IncompatibleImage, CriuError, CellError, NoTmpfsRoom, OSError) as exc:
             return None, {"how": "cold", "key": key, "reason": f"{type(exc).__name__}: {exc}"}
@@ -86,7 +91,19 @@ class WarmStarts:
         except Exception as exc:  # noqa: BLE001 - a copy that does not serve: start cold instead
             cell.kill()
             return None, {"how": "cold", "key": key, "reason": f"the restored copy did not get ready: {exc}"}
-        return cell, {"how": "warm", "key": key, "reason": "", "ready_s": time.monotonic() - t0}
+        how = {"how": "warm", "key": key, "reason": "", "ready_s": time.monotonic() - t0}
+        return cell, ({**how, "copied": copied} if copied else how)
+
+    def _fetch_if_missing(self, cfg: WarmConfig, key: str) -> dict[str, Any] | None:
+        """The on-demand copy of `key` from a peer when this store lacks it (what it took), or
+        None (here already, no peer has it, copies off, or the copy failed: start cold)."""
+        if self.fetch is None or not cfg.prefetch.on_demand or self.store(cfg).path_of(key).is_dir():
+            return None
+        try:
+            return self.fetch(key)
+        except Exception as exc:  # noqa: BLE001 - no copy: the start goes on (cold)
+            log.warning("warm image %s not copied to %s: %s", key, self.node, exc)
+            return None
 
     def _wait_filing(self, key: str) -> None:
         with self._guard:
