@@ -210,7 +210,7 @@ def test_suspend_preempts_lower_priority_and_resumes_it():
 @given(
     seed=st.integers(0, 10_000),
     mode=st.sampled_from(["none", "moves", "moves+suspend"]),
-    queue=st.sampled_from(["fifo", "backfill"]),
+    queue=st.sampled_from(["fifo", "backfill", "easy"]),
     policy=st.sampled_from(["best-fit", "fgd", "random"]),
     load=st.sampled_from([0.7, 1.3]),
 )
