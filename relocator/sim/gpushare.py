@@ -25,11 +25,11 @@ other: each moved pod frozen for its blackout, source and destination both held 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from relocator.planner.cluster import MILLI, Plan
+from relocator.planner.cluster import MILLI, Move, Plan
 from relocator.planner.policies import cluster_fragmentation_milli
 
 #: the `a` of a replay's _TICK event that is a packing round (0: a consolidation round)
@@ -75,8 +75,22 @@ def pack_tick(r: Any) -> None:
         return
     held = [r.cluster.node_ids[i] for i in r.held]
     plan = pack_shares(r.cluster, max_moves=k, exclude=held)
-    held_set = set(held)
-    moves = tuple(m for m in plan.moves if not r.by_id[m.workload].busy and m.src not in held_set)
+    moves = independent(plan.moves, busy=lambda wid: r.by_id[wid].busy, held=set(held))
     if moves:
         r._begin_moves(Plan(moves), None)
         r.pack_moves += len(moves)
+
+
+def independent(moves: Sequence[Move], busy: Callable[[str], bool], held: set[str]) -> tuple[Move, ...]:
+    """The moves of a plan that can run at once: a flight holds every source until the slowest
+    move is done, so a move onto a node that an earlier move of the plan leaves (planned on the
+    CPU, memory or GPU share that one frees) is dropped, as is a move of a busy pod or off a
+    held node."""
+    keep: list[Move] = []
+    left: set[str] = set()  # sources of the plan's moves so far (kept or not)
+    for m in moves:
+        ok = not busy(m.workload) and m.src not in held and m.dst not in left
+        left.add(m.src)
+        if ok:
+            keep.append(m)
+    return tuple(keep)
