@@ -59,8 +59,9 @@ def test_a_stop_while_busy_is_tried_again():
     ctl = FakeCtl(busy=1)
     o = Outcome(Step("a", 0, 2, 0))
     o.done.set()
-    _day(ctl)._stop_worker(o)
-    assert ctl.stops == 2 and o.stopped
+    d = _day(ctl)
+    d._stop_worker(o)
+    assert ctl.stops == 2 and o.stopped and len(d.stops) == 1  # the stop that worked is recorded
 
 
 def test_an_unknown_rule_is_refused():
@@ -74,11 +75,16 @@ def test_idle_gpu_seconds_count_only_while_something_waits():
     assert idle_while_waiting([(0.0, 4, True)]) == 0.0
 
 
-def test_work_lost_is_the_tokens_failed_requests_had_received():
-    ok = RequestResult(0, 0, tokens=[1, 2, 3])
-    cut = RequestResult(1, 0, tokens=[4, 5], error="upstream broke")
+def test_work_lost_is_the_tokens_failed_requests_had_received_split_by_cause():
+    ok = RequestResult(0, 0, tokens=[1, 2, 3], times=[0.0, 1.0])
+    cut = RequestResult(1, 0, tokens=[4, 5], error="upstream broke", times=[9.0, 10.0, 10.1])
+    at_stop = RequestResult(1, 0, tokens=[6, 7, 8], error="upstream broke", times=[19.0, 20.5])
     never = RequestResult(1, 1, error="HTTP 503")
-    assert work_lost([ok, cut, never]) == {"failed_requests": 2, "tokens_of_work_lost": 2}
+    out = work_lost([ok, cut, at_stop, never], stops=[(20.0, 20.2)])
+    assert out == {"failed_requests": 3, "tokens_of_work_lost": 5, "failed_requests_at_scripted_stops": 1,
+                   "tokens_lost_at_scripted_stops": 3, "failed_requests_not_at_stops": 2,
+                   "tokens_of_work_lost_not_at_stops": 2}
+    assert work_lost([cut])["failed_requests_not_at_stops"] == 1  # no stops: all the rule's
 
 
 def test_the_comparison_takes_the_best_stock_arm_and_checks_the_targets():

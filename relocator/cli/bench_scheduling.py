@@ -15,7 +15,8 @@ from relocator.cli import bench_app
 from relocator.cli.common import choice_list, console, err, handle_errors, print_json
 
 ROWS = ("launches", "launch_failures", "wait_s_p50", "wait_s_p99", "wait_s_max", "preemptions", "evictions",
-        "suspends", "resumes", "pauses", "moves", "moves_failed", "failed_requests", "tokens_of_work_lost",
+        "suspends", "resumes", "pauses", "moves", "moves_failed", "failed_requests", "tokens_of_work_lost", "failed_requests_not_at_stops",
+        "tokens_of_work_lost_not_at_stops",
         "gpu_s_idle_while_waiting", "client_blackout_max_s", "tokens_lost", "requests", "suspended_at_end",
         "seconds")
 ALL_ARMS = "place-or-wait,evict-requeue,suspend-in-place,moves"
