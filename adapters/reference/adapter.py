@@ -35,6 +35,8 @@ class Adapter(EngineAdapter):
             "--port", str(spec.port),
             "--max-model-len", str(spec.max_model_len),
         ]
+        if spec.memory_fraction != LaunchSpec.memory_fraction:  # a GPU share's (relocator.shares)
+            argv += ["--memory-fraction", str(spec.memory_fraction)]
         # cpu unless the spec asks otherwise (`extra_args`: --device cuda, or the environment)
         if "--device" not in spec.extra_args:
             argv += ["--device", spec.env.get("RELOCATOR_REFERENCE_DEVICE", "cpu")]

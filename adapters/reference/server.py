@@ -446,10 +446,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--memory-fraction", type=float, default=None,
+                    help="a GPU share's memory: on cuda, the most of the device this process may take "
+                         "(torch.cuda.set_per_process_memory_fraction); on cpu only reported")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
+    if a.memory_fraction is not None:
+        if not 0 < a.memory_fraction <= 1:
+            raise SystemExit(f"--memory-fraction must be in (0, 1], not {a.memory_fraction}")
+        if a.device == "cuda":
+            torch.cuda.set_per_process_memory_fraction(a.memory_fraction)
+        log.info("memory share %.4f of the %s", a.memory_fraction, a.device)
     t0 = time.monotonic()
     core = Core(Path(a.model), a.device, a.max_model_len)
     log.info("reference engine %s: %s on %s loaded in %.2fs (torch %s)", __version__, a.model,

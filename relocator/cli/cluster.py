@@ -156,6 +156,19 @@ def _duration(value: Optional[str]) -> Optional[str]:
     return value
 
 
+def _gpus(value: Optional[str]) -> Optional[str]:
+    """A typer callback: GPUs as relocator.shares reads them (whole >= 1, or a share in (0, 1)
+    in steps of 0.01); anything else is a usage error (exit 2) before anything starts."""
+    if value is None:
+        return None
+    from relocator.shares import parse_gpus
+
+    try:
+        return parse_gpus(value)  # type: ignore[return-value]
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
 def _plan_lines(plan: dict) -> list[str]:
     lines = [f"  move {m['worker']} {m['from']} → {m['to']} ({m['gpus']} GPU)" for m in plan.get("moves", [])]
     lines += [f"  suspend {w}" for w in plan.get("suspends", [])]
@@ -176,7 +189,9 @@ def _labels(values: list[str]) -> list[tuple[str, str]]:
 @app.command("launch")
 @handle_errors
 def launch_cmd(model: str = typer.Option("tiny-llama", "--model", "-m", help="tiny-llama or a model directory"),
-               gpus: int = typer.Option(1, "--gpus", min=1, help="GPUs the worker takes"),
+               gpus: str = typer.Option("1", "--gpus", callback=_gpus, help="GPUs the worker takes: a whole number "
+                                        ">= 1, or a share of one GPU in (0, 1) in steps of 0.01 (0.25: a "
+                                        "quarter of one GPU's memory; several share one GPU)"),
                node: Optional[str] = typer.Option(None, "--node", help="node (default: the planner places it)"),
                engine: Engine = typer.Option(Engine(DEFAULT_ENGINE), "--engine", help="the serving engine"),
                priority: int = typer.Option(0, "--priority", help="a launch that cannot fit even with moves "
@@ -192,7 +207,7 @@ def launch_cmd(model: str = typer.Option("tiny-llama", "--model", "-m", help="ti
                cluster_dir: Optional[str] = CLUSTER_DIR, json_out: bool = JSON) -> None:
     """Start a worker and register it with the router; waits until it serves. No node with the GPUs
     free: the fewest live moves make room; a demand that cannot be met waits in `pending`."""
-    w = _connect(cluster_dir).launch(model, gpus, node, engine=engine.value, priority=priority, time_limit=time_limit,
+    w = _connect(cluster_dir).launch(model, _gpus(gpus), node, engine=engine.value, priority=priority, time_limit=time_limit,
                                      make_room=make_room, dry_run=dry_run, labels=dict(label) or None)
     if json_out:
         print_json(w)
@@ -257,7 +272,8 @@ def consolidate_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print
         print_json(out)
         return
     t = Table(title=f"{'plan: ' if dry_run else ''}nodes freed: {', '.join(out['nodes_freed']) or 'none'}; "
-              f"{len(out['moves'])} move(s), {out['gpus_moved']} GPU(s)")
+              f"{len(out['moves'])} move(s), {out['gpus_moved']} GPU(s); whole GPUs freed: "
+              f"{out.get('gpus_freed', 0)}")
     for c in ("worker", "from", "to", "GPUs", "result", "blackout s"):
         t.add_column(c)
     for m in out["moves"]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from relocator import shares
 from relocator.controller import preemption, scheduling
 from relocator.controller.claims import Claims, collect
 from relocator.controller.events import EventKind
@@ -65,7 +66,7 @@ class DemandManager:
         the other) and the workers holding GPUs on them."""
         nodes = {n.id: n for n in self.inventory(refresh=True).values() if n.alive}
         workers = self.store.workers()
-        held: dict[str, int] = {}
+        held: dict[str, float] = {}
         for w in workers:
             if w.node in nodes and w.reservation and w.state in HOLDING_STATES:
                 held[w.node] = held.get(w.node, 0) + w.gpus
@@ -80,27 +81,28 @@ class DemandManager:
         for node, gpus in preemption.kept(workers).items():  # paused in place: theirs when free again
             held[node] = held.get(node, 0) + gpus
         cordoned = self.cordoned()  # nothing is planned onto them (scheduling.closed)
-        view = [NodeView(n.id, n.gpus_total, max(0, min(n.gpus_free, n.gpus_total - held.get(n.id, 0))),
+        view = [NodeView(n.id, n.gpus_total, shares.count(max(0, min(n.gpus_free, n.gpus_total - held.get(n.id, 0)))),
                          cordoned=n.id in cordoned)
                 for n in nodes.values()]
         now = time.time()
         seats = [Seat(w.id, w.node, w.gpus, w.priority,
                       movable=w.state == WorkerState.RUNNING and w.id not in self.claims.busy,
                       bytes=sizes.get(w.id, 0), expired=w.past_deadline(now),
-                      suspendable=not w.suspend_backing_off(now))
+                      suspendable=not w.suspend_backing_off(now), gpu_ids=tuple(w.gpu_ids))
                  for w in workers if w.node in nodes and w.reservation and w.state in HOLDING_STATES]
         return view, seats
 
-    def place(self, gpus: int, exclude: tuple[str, ...] = ()) -> str | None:
-        """The live, uncordoned node the planner's policy puts a `gpus`-GPU worker on (None: no
-        room)."""
-        return scheduling.fits(self.view()[0], gpus, self.policy, exclude=exclude)
+    def place(self, gpus: float, exclude: tuple[str, ...] = ()) -> str | None:
+        """The live, uncordoned node the planner's policy puts a `gpus`-GPU worker (or a share
+        of one GPU) on (None: no room)."""
+        nodes, seats = self.view()
+        return scheduling.fits(nodes, gpus, self.policy, exclude=exclude, seats=seats)
 
     def plan_seating(self, demand: Demand, make_room: bool, exclude: tuple[str, ...] = ()) -> Seating:
         nodes, seats = self.view()  # cordoned nodes are marked there: never a target
         if not make_room:
-            node = scheduling.fits(nodes, demand.gpus, self.policy, exclude=exclude)
-            return Seating(node, reason="" if node else f"no node has {demand.gpus} free GPU(s)")
+            node = scheduling.fits(nodes, demand.gpus, self.policy, exclude=exclude, seats=seats)
+            return Seating(node, reason="" if node else scheduling.no_room(demand.gpus))
         if self.rule is not preemption.PreemptionRule.MOVES:  # a stock scheduler's rule
             return preemption.plan(self.rule, nodes, seats, demand.gpus, demand.priority, self.max_moves,
                                    self.policy, exclude)
@@ -159,8 +161,7 @@ class DemandManager:
 
         engine = Engine(engine or DEFAULT_ENGINE).value  # an unknown engine: ValueError naming them
         time_limit_s = parse_duration(time_limit)
-        if int(gpus) < 1:
-            raise ValueError(f"gpus must be >= 1, not {gpus}")
+        gpus = shares.parse_gpus(gpus)  # whole >= 1 or a share in (0, 1): ValueError (one line) else
         faults = check_faults({**(faults or {})}) if faults else None
         never = self.refuse(float(gpus)) if self.refuse is not None else None
         if never:  # more GPUs (or a bigger share) than any node has: refused, never queued forever
@@ -179,7 +180,7 @@ class DemandManager:
             # the id is taken from here on: two launches at once (the demo starts two) must
             # not both pick the first free one before either is recorded
             c.naming.add(wid)
-        demand = Demand(id=wid, kind=DemandKind.LAUNCH, model=served, gpus=int(gpus), priority=int(priority),
+        demand = Demand(id=wid, kind=DemandKind.LAUNCH, model=served, gpus=gpus, priority=int(priority),
                         engine=engine, model_dir=model_dir, time_limit_s=time_limit_s)
         try:
             if node is None:

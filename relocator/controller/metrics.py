@@ -24,6 +24,7 @@ from prometheus_client.utils import floatToGoString
 
 from relocator.controller.inventory import NodeInfo
 from relocator.controller.model import PHASES, RUNNING, Relocation, WorkerRecord, WorkerState
+from relocator.controller.states import HOLDING_STATES
 from relocator.controller.store import Store
 
 log = logging.getLogger("relocator.controller")
@@ -149,6 +150,12 @@ class ControllerCollector:
         for (state, engine), n in sorted(counts.items()):
             g.add_metric([state, engine], n)
         yield g
+        held = GaugeMetricFamily("relocator_worker_gpus", "GPUs each worker holds: whole GPUs, or its share of "
+                                 "one GPU (0.25)", labels=["worker", "node", "kind"])
+        for w in sorted(workers, key=lambda w: w.id):
+            if w.reservation and w.state in HOLDING_STATES:
+                held.add_metric([w.id, w.node, "share" if 0 < w.gpus < 1 else "whole"], w.gpus)
+        yield held
 
     @staticmethod
     def policy_metrics(store: Store) -> Iterator[Metric]:

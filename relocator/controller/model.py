@@ -300,3 +300,14 @@ def tokenizer_of(w: WorkerRecord) -> str | None:
     if w.model_dir and (Path(w.model_dir) / "tokenizer.json").is_file():
         return w.model_dir
     return None
+
+
+def engine_extra(gpus: float) -> dict[str, Any] | None:
+    """The launch options of a worker of `gpus`: a share's engine gets its memory share (vLLM's
+    --gpu-memory-utilization, the CPU build's KV pool share of host memory: LaunchSpec's
+    memory_fraction scaled by the share, relocator.shares.engine_memory); whole GPUs: None."""
+    from adapters.base import LaunchSpec
+    from relocator import shares
+
+    memory = shares.engine_memory(gpus, LaunchSpec.memory_fraction)
+    return None if memory is None else {"memory_fraction": memory}

@@ -11,6 +11,7 @@ import time
 import traceback
 from typing import Any, Callable
 
+from relocator import shares
 from relocator.controller import scheduling, transfers
 from relocator.controller.claims import Claims
 from relocator.controller.events import EventKind
@@ -145,7 +146,7 @@ class RelocationManager:
             plan = scheduling.consolidate(nodes, seats, max_moves=int(max_moves))
             moves = plan["moves"]
             out = {"nodes_freed": plan["nodes_freed"], "moves": [m.to_dict() for m in moves],
-                   "gpus_moved": sum(m.gpus for m in moves)}
+                   "gpus_moved": shares.count(sum(m.gpus for m in moves)), "gpus_freed": plan["gpus_freed"]}
             if dry_run:
                 return {"dry_run": True, **out}
             results = self.run_moves(moves, transfer=transfer)
@@ -156,7 +157,7 @@ class RelocationManager:
                          "blackout_s": by_worker[m.worker].get("blackout_s", 0.0),
                          "relocation": by_worker[m.worker].get("id"), "error": by_worker[m.worker].get("error", "")}
                         for m in moves]
-        out["gpus_moved"] = sum(m["gpus"] for m in out["moves"] if m["result"] == DONE)
+        out["gpus_moved"] = shares.count(sum(m["gpus"] for m in out["moves"] if m["result"] == DONE))
         out["seconds"] = round(time.monotonic() - t0, 3)
         self.emit(EventKind.CONSOLIDATED, moves=len(moves), nodes_freed=out["nodes_freed"],
                   gpus_moved=out["gpus_moved"], results=[m["result"] for m in out["moves"]])

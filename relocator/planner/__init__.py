@@ -10,6 +10,7 @@ The controller calls::
     planner.plan_gain_milli(cluster, plan, workload, cpu_per_gpu, mem_per_gpu)  # GPU share a plan wins
     planner.evacuate(cluster, "n1")                         # Plan (drain a node)
     planner.consolidate(cluster, max_moves=10)              # Plan (free whole nodes)
+    planner.pack_shares(cluster, max_moves=6)               # Plan (free whole GPUs of shares)
     planner.apply_plan(cluster, plan, workload)             # execute, each step checked
 """
 
@@ -34,6 +35,7 @@ from relocator.planner.planners import (
     usable_gpu_milli,
     victim_sets,
 )
+from relocator.planner.packing import free_gpus, pack_shares
 from relocator.planner.policies import (
     BestFitPolicy,
     DotProductPolicy,
@@ -73,7 +75,9 @@ __all__ = [
     "defragment",
     "evacuate",
     "fragmentation",
+    "free_gpus",
     "get_policy",
+    "pack_shares",
     "place",
     "placeable_elsewhere",
     "plan_gain_milli",

@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from relocator.controller.errors import PlanError
+from relocator.controller.model import engine_extra
 from relocator.controller.transfers.base import Context, TransferStrategy
 from relocator.vocab import TransferMode
 from relocator.waits import settle
@@ -45,7 +46,7 @@ class HandoffCalls:
     def start_copy(self, node: str, cell_id: str, worker: "WorkerRecord", gpu_ids: list[int] | None) -> dict:
         """A second copy of `worker` on `node` (warm image of its kind, else cold)."""
         return self.agents.launch(node, cell_id, worker.model_dir, worker.model,  # type: ignore[attr-defined]
-                                  engine=worker.engine, gpu_ids=gpu_ids)
+                                  engine=worker.engine, gpu_ids=gpu_ids, extra=engine_extra(worker.gpus))
 
     def router_streams(self, worker_id: str) -> list[dict]:
         return self._router(worker_id, lambda rc: rc.streams(worker_id))  # type: ignore[attr-defined]

@@ -1,0 +1,152 @@
+"""GPU shares (issue 31): the one representation (relocator.shares), and the pure planner
+seating and consolidating them (relocator.controller.scheduling on relocator.planner)."""
+
+from __future__ import annotations
+
+import pytest
+
+from relocator import planner, shares
+from relocator.controller import scheduling
+from relocator.controller.scheduling import NodeView, Seat
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("text,want", [("0.25", 0.25), ("0.5", 0.5), ("0.01", 0.01), ("0.99", 0.99), ("1", 1),
+                                       ("4", 4), (2, 2), (0.3, 0.3), ("2.0", 2), (" 0.75 ", 0.75)])
+def test_parse_gpus_accepts_whole_and_hundredths(text, want):
+    got = shares.parse_gpus(text)
+    assert got == want
+    assert isinstance(got, int) == (want >= 1)
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "0.0001", "1.5", "abc", "", "nan", "inf", "0.255", True, None])
+def test_parse_gpus_refuses_with_one_line(bad):
+    with pytest.raises(ValueError) as e:
+        shares.parse_gpus(bad)
+    assert "\n" not in str(e.value) and "gpu" in str(e.value).lower()
+
+
+def test_shape_and_engine_memory():
+    assert shares.shape(0.25) == (1, 250)
+    assert shares.shape(3) == (3, planner.MILLI)
+    assert shares.count(3.0) == 3 and isinstance(shares.count(3.0), int)
+    assert shares.count(0.1 + 0.2) == 0.3
+    assert shares.engine_memory(0.25, 0.1) == 0.025
+    assert shares.engine_memory(2, 0.1) is None
+
+
+def _view(used: dict[str, float], total: int = 4) -> list[NodeView]:
+    return [NodeView(n, total, total - u) for n, u in sorted(used.items())]
+
+
+def _scattered() -> tuple[list[NodeView], list[Seat]]:
+    """Eight 0.25 shares over 3 nodes of 4 GPUs, on 6 GPUs: (node, gpu) per worker."""
+    where = {"w1": ("n1", 0), "w2": ("n1", 0), "w3": ("n1", 1), "w4": ("n2", 0), "w5": ("n2", 1),
+             "w6": ("n3", 0), "w7": ("n3", 0), "w8": ("n3", 1)}
+    seats = [Seat(w, n, 0.25, bytes=GIB, gpu_ids=(g,)) for w, (n, g) in sorted(where.items())]
+    used: dict[str, float] = {}
+    for s in seats:
+        used[s.node] = used.get(s.node, 0) + s.gpus
+    return _view(used), seats
+
+
+def _after(nodes, seats, moves):
+    """The cluster model after the moves, as Ray would place them (best fit on the target)."""
+    cluster = scheduling.to_cluster(nodes, seats)
+    for m in moves:
+        cluster.move(m.worker, m.dst)
+    return cluster
+
+
+def test_to_cluster_puts_shares_on_their_gpu_ids():
+    nodes, seats = _scattered()
+    cluster = scheduling.to_cluster(nodes, seats)
+    assert cluster.placement_of("w3").gpus == (1,)
+    assert int(cluster.gpu_left[cluster.node_index("n1"), 0]) == 500
+    assert planner.free_gpus(cluster) == 12 - 6
+
+
+def test_consolidate_packs_eight_shares_onto_two_gpus_and_frees_a_node():
+    nodes, seats = _scattered()
+    plan = scheduling.consolidate(nodes, seats, max_moves=6)
+    assert 1 <= len(plan["moves"]) <= 6
+    assert len(plan["nodes_freed"]) >= 1
+    cluster = _after(nodes, seats, plan["moves"])
+    used_gpus = int(((cluster.gpu_cap - cluster.gpu_left) > 0).sum())
+    assert used_gpus == 2
+    assert plan["gpus_freed"] == 4
+    assert {m.worker for m in plan["moves"]} <= {s.worker for s in seats}
+    assert all(m.src != m.dst for m in plan["moves"])
+    # then a 4-GPU launch fits on a freed node, without moves
+    after_used: dict[str, float] = {n.id: 0 for n in nodes}
+    for w in cluster.running():
+        after_used[cluster.placement_of(w.id).node] += w.total_gpu_milli / planner.MILLI
+    node = scheduling.fits(_view(after_used), 4)
+    assert node in plan["nodes_freed"]
+
+
+def test_consolidate_frees_whole_gpus_where_no_node_can_be_freed():
+    # each node holds an immovable whole-GPU worker: no node can be freed, but shares can pack
+    nodes = _view({"n1": 1.5, "n2": 1.25}, total=2)
+    seats = [Seat("big1", "n1", 1, movable=False, gpu_ids=(0,)), Seat("big2", "n2", 1, movable=False, gpu_ids=(0,)),
+             Seat("s1", "n1", 0.5, gpu_ids=(1,)), Seat("s2", "n2", 0.25, gpu_ids=(1,))]
+    plan = scheduling.consolidate(nodes, seats, max_moves=4)
+    assert plan["nodes_freed"] == []
+    assert [(m.worker, m.src, m.dst) for m in plan["moves"]] == [("s2", "n2", "n1")]  # the fewest moves
+    assert plan["gpus_freed"] == 1
+
+
+def test_pack_shares_prefers_fewest_moves_then_fewest_bytes():
+    cluster = planner.Cluster([planner.NodeSpec(n, 10**6, 10**6, 1) for n in ("a", "b", "c")])
+    cluster.add(planner.Workload("a1", num_gpu=1, gpu_milli=250, move_cost_bytes=5 * GIB), "a")
+    cluster.add(planner.Workload("b1", num_gpu=1, gpu_milli=250, move_cost_bytes=1 * GIB), "b")
+    cluster.add(planner.Workload("c1", num_gpu=1, gpu_milli=250, move_cost_bytes=2 * GIB), "c")
+    cluster.add(planner.Workload("c2", num_gpu=1, gpu_milli=250, move_cost_bytes=2 * GIB), "c")
+    plan = planner.pack_shares(cluster, max_moves=1)
+    assert [m.workload for m in plan.moves] == ["b1"]  # one share, the cheapest
+    plan = planner.pack_shares(cluster, max_moves=5)
+    assert len(plan.moves) == 2 and planner.free_gpus(cluster) == 0  # the cluster is left as given
+    for m in plan.moves:
+        cluster.move(m.workload, m.dst, m.gpus)
+    cluster.check()
+    assert planner.free_gpus(cluster) == 2
+
+
+def test_pack_shares_never_breaks_a_free_gpu_nor_targets_a_closed_node():
+    cluster = planner.Cluster([planner.NodeSpec("a", 10**6, 10**6, 2), planner.NodeSpec("b", 10**6, 10**6, 2)])
+    cluster.add(planner.Workload("a1", num_gpu=1, gpu_milli=500), "a")
+    cluster.add(planner.Workload("b1", num_gpu=1, gpu_milli=250), "b")
+    assert [(m.workload, m.dst) for m in planner.pack_shares(cluster, 4).moves] == [("b1", "a")]
+    # a receives nothing: a's share goes to b's partly used GPU instead, never onto b's free one
+    assert [(m.workload, m.dst, m.gpus) for m in planner.pack_shares(cluster, 4, exclude=["a"]).moves] == [
+        ("a1", "b", (0,))]
+    assert planner.pack_shares(cluster, 4, exclude=["a", "b"]).moves == ()
+
+
+def test_a_share_demand_sits_on_a_partly_used_gpu_and_a_whole_on_a_free_one():
+    nodes = _view({"n1": 0.75, "n2": 3}, total=4)
+    seats = [Seat("s1", "n1", 0.75, gpu_ids=(0,)), Seat("big", "n2", 3, gpu_ids=(0, 1, 2))]
+    seating = scheduling.make_room(nodes, seats, 0.25)
+    assert seating.node is not None and not seating.moves
+    assert scheduling.make_room(nodes, seats, 4).node is None or scheduling.make_room(nodes, seats, 4).moves
+
+
+def test_a_share_demand_makes_room_with_a_share_move():
+    # both GPUs are half used: a 0.75 share needs one half moved onto the other
+    nodes = _view({"n1": 0.5, "n2": 0.5}, total=1)
+    seats = [Seat("a", "n1", 0.5, bytes=2 * GIB, gpu_ids=(0,)), Seat("c", "n2", 0.5, bytes=GIB, gpu_ids=(0,))]
+    seating = scheduling.make_room(nodes, seats, 0.75, max_moves=2)
+    assert [(m.worker, m.dst) for m in seating.moves] in ([("c", "n1")], [("a", "n2")])
+    assert seating.node == seating.moves[0].src
+    refused = scheduling.make_room(nodes, seats, 0.75, max_moves=0)
+    assert refused.node is None and "0.75 share of one GPU" in refused.reason
+
+
+def test_whole_gpu_plans_are_unchanged_without_gpu_ids():
+    nodes = _view({"n1": 2, "n2": 2})
+    seats = [Seat("w1", "n1", 2, bytes=3 * GIB), Seat("w2", "n2", 2, bytes=GIB)]
+    seating = scheduling.make_room(nodes, seats, 4)
+    assert seating.node is not None and [m.worker for m in seating.moves] == ["w2"]
+    plan = scheduling.consolidate(nodes, seats)
+    assert len(plan["moves"]) == 1 and len(plan["nodes_freed"]) == 1
