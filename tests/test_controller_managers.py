@@ -322,7 +322,8 @@ def test_reconcile_once_runs_every_step_in_order_and_catches_a_failing_one(tmp_p
     stats = c.reconcile_once()
     names = [k for k in stats if k != "at"]
     assert names == ["update_nodes", "update_workers", "update_router", "update_reservations", "update_cells",
-                     "update_deadlines", "update_paused", "update_demands", "update_consolidation"]
+                     "update_deadlines", "update_paused", "update_demands", "update_consolidation",
+                     "update_policies", "update_warm_copies"]
     assert stats["update_cells"] == {"ok": False, "s": stats["update_cells"]["s"], "error": "agent down"}
     assert all(stats[n]["ok"] for n in names if n != "update_cells")
     assert isinstance(c.claims.lock, type(threading.RLock()))

@@ -103,3 +103,25 @@ def test_cordoned_nodes_get_no_copies_and_off_means_off() -> None:
                                            cfg=WarmConfig(prefetch={"copies": 0}))
     wc.update()
     assert fetched == [] and "off" in wc.last["why"]
+
+
+def test_a_lost_worker_goes_where_its_image_is_when_that_node_has_room() -> None:
+    from types import SimpleNamespace
+
+    from relocator.controller.workers import WorkerManager
+
+    free = {"a": 0, "b": 2, "c": 2}  # GPUs free; the image is on a (full) and c
+
+    def place(gpus: int, exclude: tuple[str, ...] = ()) -> str | None:
+        fits = [n for n in sorted(free) if free[n] >= gpus and n not in exclude]
+        return fits[0] if fits else None
+
+    mgr = SimpleNamespace(place=place, kinds={"w": "k"},
+                          image_holders=lambda key: ({"a", "c"}, {"a", "b", "c"}) if key == "k" else (set(), set()))
+    w = SimpleNamespace(id="w", gpus=1, node="lost")
+    assert WorkerManager._place_near_image(mgr, w) == "c"  # not b, the planner's first choice
+    free["c"] = 0
+    assert WorkerManager._place_near_image(mgr, w) == "b"  # no holder has room: anywhere
+    mgr.kinds = {}
+    free["c"] = 2
+    assert WorkerManager._place_near_image(mgr, w) == "b"  # kind unknown: the planner's choice

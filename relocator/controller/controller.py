@@ -124,6 +124,7 @@ class Controller:
             nodes=lambda: list(live()) if agents is not None else [], keys=lambda n: agents.warm_keys(n),
             fetch=lambda dst, src, key: agents.fetch_warm(dst, src, key), emit=self.emit,
             host_of=lambda: ray_hosts(live()), cordoned=self.cordoned)
+        self.workers.image_holders = self.warm_copies.holders_of
 
     def _wire_why(self) -> None:
         """`why` (relocator/controller/explain.py): its inputs, and the launch refusal of a

@@ -43,6 +43,7 @@ class WarmCopies:
         self._running = threading.Event()
         self._failed: dict[tuple[str, str], float] = {}  # (key, node) -> when it failed
         self.last: dict[str, Any] = {}  # the last round: {"planned": [...]} or {"why": ...}
+        self.holders: dict[str, set[str]] = {}  # the last round's {live node: keys it holds}
 
     def update(self) -> None:
         """One round when due: what each live node holds, the copies missing, started."""
@@ -54,7 +55,7 @@ class WarmCopies:
         if not cfg.enabled or cfg.prefetch.copies <= 0:
             self.last = {"why": "warm images or their copies are off (warm.enabled, prefetch.copies)"}
             return
-        holders = self._holders()
+        holders = self.holders = self._holders()
         if not any(holders.values()):
             self.last = {"planned": []}
             return
@@ -66,6 +67,10 @@ class WarmCopies:
         if plan:
             self._running.set()
             self._spawn(lambda: self._run(plan))
+
+    def holders_of(self, key: str) -> tuple[set[str], set[str]]:
+        """(the nodes that held `key` at the last round, every node that answered then)."""
+        return {n for n, keys in self.holders.items() if key in keys}, set(self.holders)
 
     def _holders(self) -> dict[str, set[str]]:
         out: dict[str, set[str]] = {}

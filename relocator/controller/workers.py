@@ -35,6 +35,11 @@ class WorkerManager:
         self.router, self.place, self.has_router = router, place, has_router
         self.spawn = spawn or (lambda fn, w, name: threading.Thread(target=fn, args=(w,), name=name,
                                                                      daemon=True).start())
+        #: warm images (issue 28): each worker's kind as its last start said, and which nodes
+        #: hold a kind's image (set by the controller: controller/warmcopies.py), so a lost
+        #: worker's copy goes where its image already is, when one of those has room
+        self.kinds: dict[str, str] = {}
+        self.image_holders: Callable[[str], tuple[set[str], set[str]]] = lambda key: (set(), set())
 
     # -- reconcile steps ----------------------------------------------------------------------
     def update(self) -> None:
@@ -110,6 +115,8 @@ class WorkerManager:
         info = self.backend.agents.launch(node, w.cell_id, w.model_dir, w.model, engine=w.engine,
                                           gpu_ids=w.gpu_ids or None, extra=engine_extra(w.gpus))
         warm = info.get("warm") or {}
+        if warm.get("key"):
+            self.kinds[w.id] = warm["key"]
         self.emit(EventKind.WORKER_STARTED, worker=w.id, node=node, cell=w.cell_id, how=warm.get("how", "cold"),
                   key=warm.get("key"), reason=warm.get("reason", ""), capture=warm.get("capture"),
                   copied=warm.get("copied"), seconds=round(time.monotonic() - t, 3))
@@ -151,7 +158,7 @@ class WorkerManager:
         except Exception as exc:  # noqa: BLE001 - left to update_cells / fencing
             log.warning("replace %s: could not kill %s on %s: %s", w.id, old_cell, old_node, exc)
         self.backend.free(w.reservation)
-        node = self.place(w.gpus)
+        node = self._place_near_image(w)
         if node is None:
             raise RuntimeError(f"no live node has {w.gpus} free GPU(s)")
         tag = uuid.uuid4().hex[:6]
@@ -167,6 +174,15 @@ class WorkerManager:
         w.replacements += 1
         self.store.save_worker(w)
         return node, how
+
+    def _place_near_image(self, w: WorkerRecord) -> str | None:
+        """A node with room for `w`, one holding its kind's warm image first (no copy then)."""
+        holders, seen = self.image_holders(self.kinds.get(w.id, "")) if w.id in self.kinds else (set(), set())
+        if holders:
+            near = self.place(w.gpus, exclude=tuple(sorted((seen - holders) | {w.node})))
+            if near is not None:
+                return near
+        return self.place(w.gpus)
 
     def abandon_launch(self, w: WorkerRecord, keep_record: bool = False) -> None:
         """A launch (or replacement) the previous controller did not finish: its copy goes."""
