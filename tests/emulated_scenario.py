@@ -38,35 +38,9 @@ def _worker(ctl, wid: str) -> dict:
 
 def node_loss(ctl, info: dict, wid: str, ref) -> dict:
     """Host of `wid` dies under load: every process of its namespace and its cells, SIGKILLed."""
-    from relocator.cluster import emulate
-    from relocator.cluster.streams import Load
+    from relocator.cluster.scenario import lose_host_under_load
 
-    cluster = emulate.EmulatedCluster.from_dict(info["emulated"])
-    w = _worker(ctl, wid)
-    host = next(h for h in cluster.hosts if h.name == w["node"])
-    events = ctl.events(kinds=["node_lost", "replacement_finished"], idle_timeout=240)
-    load = Load(ctl.router_url, MODEL, ref, MAX_TOKENS, STREAMS).start()
-    time.sleep(2.0)
-    t_kill = time.monotonic()
-    killed = emulate.kill_host(host)
-    seen: dict = {}
-    for ev in events:
-        seen.setdefault(ev["kind"], (time.monotonic(), ev))
-        if ev["kind"] == "replacement_finished":
-            break
-    t_end = time.monotonic()
-    time.sleep(1.0)
-    load.stop()
-    rep = load.report(window=(t_kill, t_end))
-    detected = seen.get("node_lost", (None,))[0]
-    done = seen.get("replacement_finished", (None, {}))
-    after = _worker(ctl, wid)
-    return {"host": host.name, "killed_pids": len(killed["pids"]), "killed_cells": killed["cells"],
-            "detected_s": round(detected - t_kill, 3) if detected else None,
-            "serving_after_detection_s": round(done[0] - detected, 3) if detected and done[0] else None,
-            "replacement": done[1], "worker_after": {k: after[k] for k in ("node", "state", "endpoint")},
-            **{k: rep[k] for k in ("tokens_lost", "tokens_duplicated", "tokens_mismatched", "text_mismatched",
-                                   "client_errors", "errors", "blackout_max_s", "requests")}}
+    return lose_host_under_load(ctl, info, wid, MODEL, ref, concurrency=STREAMS, max_tokens=MAX_TOKENS)
 
 
 def mid_move_loss(ctl, info: dict, wid: str, to: str, ref) -> dict:

@@ -29,7 +29,7 @@ BenchTransfer = registry_choice("BenchTransfer", (*TransferMode.values(), "all")
 
 def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode | str = TransferMode.SHARED,
               base_dir: str = "/var/lib/relocator/bench", engine: str = DEFAULT_ENGINE, emulate_hosts: int = 0,
-              kv_pool_mb: int = 0) -> dict:
+              kv_pool_mb: int = 0, host_loss: bool = True) -> dict:
     """One move in `transfer` mode (or, with "all", one move in each of ALL_MODES back and forth
     between the same two nodes, same worker and load: {"runs": [...], "handoff_vs_best_freeze"})."""
     import relocator
@@ -61,6 +61,7 @@ def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode | 
         for mode in modes:
             runs.append(_measure(ctl, w["id"], dst, mode, streams, max_tokens))
             src, dst = dst, src  # the next mode moves it back
+        lost = _host_loss(ctl, base_dir, w["id"], streams, max_tokens) if emulate_hosts and host_loss else None
     finally:
         ctl.down()
         if prev_pool is None:
@@ -74,9 +75,27 @@ def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode | 
         r["blackout_pct_of_cold_start"] = round(100 * r["blackout_max_s"] / cold, 1) if cold else None
     if emulate_hosts:
         common.update({"emulated_hosts": emulate_hosts, "moved": f"{src} -> {dst}"})
+        if lost is not None:
+            common["host_loss"] = lost
     if len(runs) == 1:
         return {**common, **runs[0]}
     return {**common, "runs": runs, "handoff_vs_best_freeze": compare(runs)}
+
+
+def _host_loss(ctl, base_dir: str, wid: str, streams: int, max_tokens: int) -> dict:
+    """The worker's own host killed under load (issue 28): seconds until its streams are served
+    again (`serving_again_s`: the longest gap clients saw), and how the replacement started."""
+    import asyncio
+
+    from relocator.cluster.info import read_info
+    from relocator.cluster.scenario import lose_host_under_load
+    from relocator.cluster.streams import reference
+
+    tokens = min(max_tokens, 128)
+    ref = asyncio.run(reference(ctl.router_url, MODEL, tokens, streams, streams))
+    out = lose_host_under_load(ctl, read_info(base_dir) or {}, wid, MODEL, ref, concurrency=streams,
+                               max_tokens=tokens)
+    return {"serving_again_s": out["blackout_max_s"], **out}
 
 
 def compare(runs: list[dict]) -> dict:
@@ -173,10 +192,14 @@ def bench_relocation(json_out: bool = typer.Option(False, "--json", help="print 
                      engine: Engine = typer.Option(Engine(DEFAULT_ENGINE), help="the worker's engine"),
                      emulate_hosts: int = typer.Option(0, "--emulate-hosts", min=0, max=15,
                                                        help="on N emulated hosts (own network and mount "
-                                                       "namespaces, nothing shared; 3 or more), not the local cluster")) -> None:
+                                                       "namespaces, nothing shared; 3 or more), not the local cluster"),
+                     host_loss: bool = typer.Option(True, "--host-loss/--no-host-loss",
+                                                    help="with --emulate-hosts: then kill the worker's host under "
+                                                    "load and measure until its streams are served again")) -> None:
     """Blackout, phases and token check of one live relocation vs a cold start."""
     json_file = stdout_for_json() if json_out else None  # Ray's driver prints raylet errors there
-    out = run_bench(streams, max_tokens, transfer.value, cluster_dir, engine.value, emulate_hosts, kv_pool_mb)
+    out = run_bench(streams, max_tokens, transfer.value, cluster_dir, engine.value, emulate_hosts, kv_pool_mb,
+                    host_loss)
     if json_file is not None:
         print_json(out, json_file)
         return

@@ -48,3 +48,47 @@ def relocate_under_load(ctl: Any, worker: str, to: str | None, model: str, *, co
     return {"relocation": summary, "load": report, "relocation_wall_s": round(t1 - t0, 3),
             "clock_offset_s": time.time() - time.monotonic(),
             "reference_s": round(ref_s, 3), "reference": ref}
+
+
+def lose_host_under_load(ctl: Any, info: dict, worker: str, model: str, ref: Reference, *, concurrency: int = 4,
+                         max_tokens: int = 128, warmup_s: float = 2.0, timeout_s: float = 240.0) -> dict[str, Any]:
+    """Emulated hosts (`info`: cluster.json): the host of `worker` dies under streaming load
+    (every process of its namespace and its cells SIGKILLed). What clients saw (the longest gap
+    in any stream from the kill to the replacement serving, tokens checked against `ref`), when
+    the controller noticed, and how the replacement started (warm image: copied or not; cold)."""
+    from relocator.cluster import emulate
+
+    cluster = emulate.EmulatedCluster.from_dict(info["emulated"])
+    node = _worker_row(ctl, worker)["node"]
+    host = next(h for h in cluster.hosts if h.name == node)
+    events = ctl.events(kinds=["node_lost", "replacement_finished", "worker_started"], idle_timeout=timeout_s)
+    load = Load(ctl.router_url, model, ref, max_tokens, concurrency).start()
+    time.sleep(warmup_s)
+    t_kill = time.monotonic()
+    killed = emulate.kill_host(host)
+    seen: dict = {}
+    for ev in events:
+        if ev["kind"] == "worker_started" and ev.get("worker") != worker:
+            continue
+        seen.setdefault(ev["kind"], (time.monotonic(), ev))
+        if ev["kind"] == "replacement_finished":
+            break
+    t_end = time.monotonic()
+    time.sleep(1.0)
+    load.stop()
+    rep = load.report(window=(t_kill, t_end))
+    detected = seen.get("node_lost", (None,))[0]
+    done = seen.get("replacement_finished", (None, {}))
+    started = seen.get("worker_started", (None, {}))[1]
+    after = _worker_row(ctl, worker)
+    return {"host": host.name, "killed_pids": len(killed["pids"]), "killed_cells": killed["cells"],
+            "detected_s": round(detected - t_kill, 3) if detected else None,
+            "serving_after_detection_s": round(done[0] - detected, 3) if detected and done[0] else None,
+            "replacement": done[1], "started": {k: started.get(k) for k in ("how", "key", "reason", "copied", "seconds")},
+            "worker_after": {k: after[k] for k in ("node", "state", "endpoint")},
+            **{k: rep[k] for k in ("tokens_lost", "tokens_duplicated", "tokens_mismatched", "text_mismatched",
+                                   "client_errors", "errors", "blackout_max_s", "requests")}}
+
+
+def _worker_row(ctl: Any, worker: str) -> dict:
+    return next(w for w in ctl.status()["workers"] if w["id"] == worker)
