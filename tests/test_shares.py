@@ -150,3 +150,58 @@ def test_whole_gpu_plans_are_unchanged_without_gpu_ids():
     assert seating.node is not None and [m.worker for m in seating.moves] == ["w2"]
     plan = scheduling.consolidate(nodes, seats)
     assert len(plan["moves"]) == 1 and len(plan["nodes_freed"]) == 1
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "0.0001", "1.5", "abc"])
+def test_cli_launch_refuses_a_bad_gpus_with_one_line_and_exit_2(bad, tmp_path):
+    from typer.testing import CliRunner
+
+    from relocator.cli import _register, app
+
+    _register()
+    res = CliRunner().invoke(app, ["launch", "--gpus", bad, "--cluster-dir", str(tmp_path)])
+    assert res.exit_code == 2, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "--gpus" in lines[0], res.output
+
+
+def test_worker_gpus_metric_shows_shares():
+    from relocator.controller.metrics import ControllerCollector
+    from relocator.controller.model import WorkerRecord, WorkerState
+
+    ws = [WorkerRecord("w1", "m", "n1", 0.25, reservation="r1", state=WorkerState.RUNNING),
+          WorkerRecord("w2", "m", "n1", 2, reservation="r2", state=WorkerState.RUNNING)]
+    fams = {f.name: f for f in ControllerCollector.worker_metrics(ws, set())}
+    got = {(s.labels["worker"], s.labels["kind"]): s.value for s in fams["relocator_worker_gpus"].samples}
+    assert got == {("w1", "share"): 0.25, ("w2", "whole"): 2}
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_router_table_shows_and_keeps_shares(tmp_path):
+    import json
+
+    from relocator.router.client import ControlError, RouterControl
+    from relocator.router.config import RouterSettings
+    from relocator.router.server import RouterServer
+
+    p = tmp_path / "state.json"
+    srv = await RouterServer(RouterSettings(port=0, control_port=0, state_file=p)).start()
+    try:
+        async with RouterControl(srv.control_url) as rc:
+            await rc.add_replica("w1", "m", "http://x:1", gpus=0.25)
+            await rc.add_replica("w2", "m", "http://y:1", gpus=2)
+            (reps,) = (await rc.replicas())["models"].values()
+            assert {r["worker_id"]: r["gpus"] for r in reps} == {"w1": 0.25, "w2": 2}
+            for bad in ("x", 0, -1, True):
+                with pytest.raises(ControlError) as e:
+                    await rc._call("POST", "/control/replicas", {"worker_id": "w3", "model": "m", "url": "http://z:1",
+                                                                  "gpus": bad})
+                assert e.value.status == 400 and "gpus" in json.dumps(e.value.body)
+        assert {e["worker_id"]: e.get("gpus") for e in json.loads(p.read_text())["replicas"]} == {"w1": 0.25, "w2": 2}
+    finally:
+        await srv.stop()
+    srv2 = await RouterServer(RouterSettings(port=0, control_port=0, state_file=p)).start()  # restored with shares
+    try:
+        assert srv2.rt.table.get("w1").gpus == 0.25
+    finally:
+        await srv2.stop()

@@ -264,7 +264,7 @@ class RayBackend(*MODE_CALLS):  # type: ignore[misc]  # each transfer mode's age
             w = self.ports.worker(worker_id)
             if exc.status != 404 or w is None:
                 raise
-            rc.add_replica(worker_id, w.model, endpoint or w.endpoint, tokenizer_of(w), w.engine)
+            rc.add_replica(worker_id, w.model, endpoint or w.endpoint, tokenizer_of(w), w.engine, w.gpus)
             return fn(rc)
 
     def hold(self, worker_id: str) -> dict:

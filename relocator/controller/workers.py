@@ -91,7 +91,7 @@ class WorkerManager:
                     cur = self.store.worker(w.id)
                     if w.id in self.claims.busy or cur is None or cur.state != S.RUNNING or cur.endpoint != w.endpoint:
                         continue
-                    rc.add_replica(w.id, w.model, w.endpoint, tokenizer_of(w), w.engine)
+                    rc.add_replica(w.id, w.model, w.endpoint, tokenizer_of(w), w.engine, w.gpus)
                     log.warning("router: re-registered %s at %s", w.id, w.endpoint)
 
     # -- replacement ----------------------------------------------------------------------------
@@ -229,7 +229,7 @@ class WorkerManager:
             info = self.launch(w, node)
             w.launch_s = round(time.monotonic() - t1, 3)
             w.endpoint = info["endpoint"]
-            self.router().add_replica(w.id, w.model, w.endpoint, tokenizer_of(w), w.engine)
+            self.router().add_replica(w.id, w.model, w.endpoint, tokenizer_of(w), w.engine, w.gpus)
             transition(w, S.RUNNING, "launched", self.emit)
             w.deadline = time.time() + w.time_limit_s if w.time_limit_s else None
             self.store.save_worker(w)

@@ -21,8 +21,10 @@ class ControlError(Exception):
 
 
 def _add_body(worker_id: str, model: str, url: str, tokenizer: str | None,
-              engine: str | None) -> dict:
-    body = {"worker_id": worker_id, "model": model, "url": url}
+              engine: str | None, gpus: float | None = None) -> dict:
+    body: dict[str, Any] = {"worker_id": worker_id, "model": model, "url": url}
+    if gpus is not None:
+        body["gpus"] = gpus  # whole GPUs or a share of one (shown in the table)
     if tokenizer:
         body["tokenizer"] = tokenizer  # the model's tokenizer, for text-exact continuation
     if engine:
@@ -75,9 +77,10 @@ class RouterControl:
         return await self._call("GET", _paths()["replicas"])
 
     async def add_replica(self, worker_id: str, model: str, url: str,
-                          tokenizer: str | None = None, engine: str | None = None) -> dict:
+                          tokenizer: str | None = None, engine: str | None = None,
+                          gpus: float | None = None) -> dict:
         return await self._call("POST", _paths()["replicas"],
-                                _add_body(worker_id, model, url, tokenizer, engine))
+                                _add_body(worker_id, model, url, tokenizer, engine, gpus))
 
     async def remove_replica(self, worker_id: str) -> dict:
         return await self._call("DELETE", _paths(worker_id)["replica"])
@@ -130,9 +133,9 @@ class RouterControlSync:
         return self._call("GET", _paths()["replicas"])
 
     def add_replica(self, worker_id: str, model: str, url: str,
-                    tokenizer: str | None = None, engine: str | None = None) -> dict:
+                    tokenizer: str | None = None, engine: str | None = None, gpus: float | None = None) -> dict:
         return self._call("POST", _paths()["replicas"],
-                          _add_body(worker_id, model, url, tokenizer, engine))
+                          _add_body(worker_id, model, url, tokenizer, engine, gpus))
 
     def remove_replica(self, worker_id: str) -> dict:
         return self._call("DELETE", _paths(worker_id)["replica"])

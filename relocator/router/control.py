@@ -114,8 +114,12 @@ class ControlAPI:
                 engine = RouterEngine(engine).value
             except ValueError as e:
                 raise errors.bad_request(str(e), param="engine") from None
+        gpus = b.get("gpus")
+        if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, (int, float)) or not gpus > 0):
+            raise errors.bad_request("gpus must be a number > 0 (whole GPUs, or a share of one such as 0.25)",
+                                     param="gpus")
         try:
-            r = self.rt.table.add(b["worker_id"], b["model"], b["url"], engine)
+            r = self.rt.table.add(b["worker_id"], b["model"], b["url"], engine, gpus)
         except ValueError as e:
             raise RouterError(409, str(e), code="conflict") from None
         if tok:

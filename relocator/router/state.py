@@ -30,6 +30,7 @@ def dump(table: RoutingTable, tokenizers: dict[str, str] | None = None) -> dict[
                           "held": r.state is ReplicaState.HELD and not r.suspect,
                           "generation": r.generation,
                           **({"engine": r.engine} if r.engine else {}),
+                          **({"gpus": r.gpus} if r.gpus is not None else {}),
                           **({"tokenizer": tokenizers[r.model]} if r.model in tokenizers else {})}
                          for r in table.replicas()]}
 
@@ -46,6 +47,11 @@ def save(path: str | Path, table: RoutingTable, tokenizers: dict[str, str] | Non
 
 def _engine(e: dict) -> str | None:
     return e["engine"] if isinstance(e.get("engine"), str) and e["engine"] else None
+
+
+def _gpus(e: dict) -> float | None:
+    g = e.get("gpus")
+    return g if isinstance(g, (int, float)) and not isinstance(g, bool) and g > 0 else None
 
 
 def tokenizers_of(replicas: list[dict]) -> dict[str, str]:
@@ -88,7 +94,7 @@ def restore(table: RoutingTable, replicas: list[dict]) -> int:
     n = 0
     for e in replicas:
         try:
-            r = table.add(e["worker_id"], e["model"], e["endpoint"], _engine(e))
+            r = table.add(e["worker_id"], e["model"], e["endpoint"], _engine(e), _gpus(e))
         except ValueError as exc:  # same worker id, another model: keep the first
             log.warning("router state: %s", exc)
             continue

@@ -70,10 +70,12 @@ class Replica:
     suspect_epoch: int = 0
     #: the worker's engine (its continuation codec); None: the router's default engine
     engine: str | None = None
+    #: the GPUs the worker holds, whole or a share of one (0.25: relocator.shares); None: not told
+    gpus: float | None = None
 
     def info(self) -> dict:
         return {"worker_id": self.worker_id, "model": self.model, "endpoint": self.endpoint,
-                "engine": self.engine,
+                "engine": self.engine, "gpus": self.gpus,
                 "state": self.state.value, "in_flight": self.in_flight,
                 "held_requests": len(self.waiters), "generation": self.generation,
                 "suspect": self.suspect}
@@ -105,7 +107,8 @@ class RoutingTable:
         self._suspect_seq = 0
 
     # ---- inventory -------------------------------------------------------------------
-    def add(self, worker_id: str, model: str, endpoint: str, engine: str | None = None) -> Replica:
+    def add(self, worker_id: str, model: str, endpoint: str, engine: str | None = None,
+            gpus: float | None = None) -> Replica:
         endpoint = endpoint.rstrip("/")
         old = self._replicas.get(worker_id)
         if old is not None:
@@ -114,8 +117,10 @@ class RoutingTable:
             old.endpoint = endpoint
             if engine is not None:
                 old.engine = engine
+            if gpus is not None:
+                old.gpus = gpus
             return old
-        r = Replica(worker_id, model, endpoint, engine=engine)
+        r = Replica(worker_id, model, endpoint, engine=engine, gpus=gpus)
         self._replicas[worker_id] = r
         self._by_model.setdefault(model, []).append(r)
         return r
