@@ -36,6 +36,8 @@ def test_list_and_rm(tmp_path: Path) -> None:
     assert again.exit_code == 1 and "no warm image" in again.output
 
 
-def test_prefetch_says_it_is_not_wired() -> None:
-    out = CliRunner().invoke(app, ["images", "prefetch", "n2"])
-    assert out.exit_code == 2 and "not wired yet" in out.output
+def test_prefetch_refuses_a_bad_key_and_a_missing_cluster(tmp_path: Path) -> None:
+    out = CliRunner().invoke(app, ["images", "prefetch", "n2", "--key", "not-a-key"])
+    assert out.exit_code == 2 and "not a warm image key" in out.output
+    out = CliRunner().invoke(app, ["images", "prefetch", "n2", "--cluster-dir", str(tmp_path / "none")])
+    assert out.exit_code != 0 and "no local cluster" in out.output

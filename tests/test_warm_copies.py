@@ -125,3 +125,20 @@ def test_a_lost_worker_goes_where_its_image_is_when_that_node_has_room() -> None
     mgr.kinds = {}
     free["c"] = 2
     assert WorkerManager._place_near_image(mgr, w) == "b"  # kind unknown: the planner's choice
+
+
+def test_prefetch_by_hand_copies_what_the_node_lacks_and_reports_the_rest() -> None:
+    holders = {"a": {"k1", "k2"}, "b": {"k2"}, "c": set()}
+    wc, _events, fetched, _clock = _copies(holders)
+    out = wc.prefetch("b")
+    assert [c["key"] for c in out["copied"]] == ["k1"] and out["already"] == ["k2"] and out["failed"] == []
+    assert fetched == [("b", "a", "k1")]
+    out = wc.prefetch("c", key="k9")
+    assert out["failed"] and "no live node holds" in out["failed"][0]["error"]
+    for bad in ("zz", "dead"):
+        try:
+            wc.prefetch(bad)
+        except ValueError as exc:
+            assert bad in str(exc)
+        else:
+            raise AssertionError("an unknown node was accepted")

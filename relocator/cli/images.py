@@ -11,6 +11,7 @@ from rich.table import Table
 
 from relocator.cli import app
 from relocator.cli.common import console, fail, handle_errors, print_json
+from relocator.warm.key import is_key
 
 images_app = typer.Typer(help="Warm images: a node's store of ready, idle workers' images (docs/images.md).",
                          no_args_is_help=True)
@@ -78,8 +79,25 @@ def images_capture(cell_id: str = typer.Argument(..., help="A running cell that 
 @images_app.command("prefetch")
 @handle_errors
 def images_prefetch(target: str = typer.Argument(..., help="The node to copy images to."),
-                    key: Optional[str] = typer.Option(None, help="One image (default: every image of --node)."),
-                    node: str = _NODE) -> None:
-    """Copy warm images to another node ahead of need (not wired yet: docs/images.md)."""
-    fail(f"prefetch to {target} is not wired yet: images are copied between nodes by the agents' "
-         "transfer path, which has no warm-image call yet (docs/images.md, issue 28)", 2)
+                    key: Optional[str] = typer.Option(None, help="One image (default: every image it lacks)."),
+                    src: Optional[str] = typer.Option(None, "--from", help="The node to copy from (default: any "
+                                                      "node that holds the image)."),
+                    cluster_dir: Optional[str] = typer.Option(None, "--cluster-dir"),
+                    json_out: bool = typer.Option(False, "--json")) -> None:
+    """Copy warm images to a node of the running cluster now, checksummed (docs/images.md)."""
+    from relocator.controller.api import connect
+
+    if key is not None and not is_key(key):
+        fail(f"not a warm image key: {key!r} (see `relocator images list`)", 2)
+    out = connect(cluster_dir).prefetch_images(target, key, src)
+    if json_out:
+        print_json(out)
+    else:
+        for c in out["copied"]:
+            console.print(f"copied {c['key']} from {c['from']} ({(c['bytes'] or 0) / 2**20:.0f} MiB, {c['seconds']} s)")
+        for k in out["already"]:
+            console.print(f"{k}: already on {target}")
+        for f in out["failed"]:
+            console.print(f"[red]{f['key']}: {f['error']}[/]")
+    if out["failed"]:
+        raise typer.Exit(1)

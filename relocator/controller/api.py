@@ -95,6 +95,10 @@ class ControllerClient:
         priority, since, reason."""
         return self._call("pending", timeout=60)
 
+    def prefetch_images(self, node: str, key: str | None = None, src: str | None = None) -> dict:
+        """Copy warm images to `node` now: every one it lacks, or `key`; from `src` or any holder."""
+        return self._call("prefetch_images", node, key, src, timeout=3600)
+
     def uncordon(self, node: str) -> dict:
         """Let the planner use a node drained with `by` again."""
         return self._call("uncordon", node, timeout=60)

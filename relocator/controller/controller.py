@@ -354,6 +354,10 @@ class Controller:
         """Nodes drained with a deadline: nothing is placed or resumed on them until uncordoned."""
         return self.nodes.cordoned()
 
+    def prefetch_images(self, node: str, key: str | None = None, src: str | None = None) -> dict:
+        """Copy warm images to `node` now (all it lacks, or `key`; from `src` or any holder)."""
+        return self.warm_copies.prefetch(node, key, src)
+
     def uncordon(self, node: str) -> dict:
         return self.nodes.uncordon(node)
 

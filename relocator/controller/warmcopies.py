@@ -68,6 +68,31 @@ class WarmCopies:
             self._running.set()
             self._spawn(lambda: self._run(plan))
 
+    def prefetch(self, dst: str, key: str | None = None, src: str | None = None) -> dict[str, Any]:
+        """`relocator images prefetch`: copy to `dst` now every image it lacks (or `key`; from
+        `src`, else from any holder). {copied: [...], already: [...], failed: [...]}."""
+        holders = self._holders()
+        if dst not in holders:
+            raise ValueError(f"no live node {dst!r} answered (live: {', '.join(sorted(holders)) or 'none'})")
+        if src is not None and src not in holders:
+            raise ValueError(f"no live node {src!r} answered (live: {', '.join(sorted(holders))})")
+        keys = {key} if key else (holders[src] if src else set().union(*holders.values()))
+        out: dict[str, list] = {"copied": [], "already": [], "failed": []}
+        for k in sorted(keys):
+            if k in holders[dst]:
+                out["already"].append(k)
+                continue
+            frm = src if src else next((n for n in sorted(holders) if k in holders[n]), None)
+            if frm is None or k not in holders[frm]:
+                out["failed"].append({"key": k, "error": f"no live node holds {k}"})
+                continue
+            try:
+                got = self._fetch(dst, frm, k)
+                out["copied"].append({"key": k, "from": frm, "bytes": got.get("bytes"), "seconds": got.get("seconds")})
+            except Exception as exc:  # noqa: BLE001 - reported, the others go on
+                out["failed"].append({"key": k, "from": frm, "error": f"{type(exc).__name__}: {exc}"})
+        return out
+
     def holders_of(self, key: str) -> tuple[set[str], set[str]]:
         """(the nodes that held `key` at the last round, every node that answered then)."""
         return {n for n, keys in self.holders.items() if key in keys}, set(self.holders)
