@@ -30,6 +30,7 @@ from aiohttp import web
 from tokenizers import Tokenizer
 
 from adapters.reference import __version__
+from adapters.reference.device import DeviceExtras
 from adapters.reference.model import KVCache, Llama
 from adapters.vllm.framing import completion_body
 from adapters.vllm.outtext import OutputText, TextParams
@@ -232,8 +233,9 @@ class Core:
 class Server:
     """The HTTP shell: requests in, one scheduler task stepping every active request."""
 
-    def __init__(self, core: Core, served_model_name: str) -> None:
+    def __init__(self, core: Core, served_model_name: str, extras: DeviceExtras | None = None) -> None:
         self.core = core
+        self.extras = extras
         self.model = served_model_name
         self.active: list[Seq] = []
         self._wake = asyncio.Event()
@@ -251,6 +253,7 @@ class Server:
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_get("/version", self.version)
+        app.router.add_post("/device/{action}", self.device)  # scripts/gpu-check.sh (device.py)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -311,6 +314,15 @@ class Server:
     # ---- small endpoints -----------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="")
+
+    async def device(self, request: web.Request) -> web.Response:
+        """POST /device/release|reserve|check: the KV pool and the CUDA graph (device.py)."""
+        action, x = request.match_info["action"], self.extras
+        if x is None or action not in ("release", "reserve", "check"):
+            return self._err(404, f"no device action {action!r} (extras off)" if x else "no device extras")
+        if action == "check":
+            return web.json_response(x.check())
+        return web.json_response({"bytes": x.release() if action == "release" else x.reserve()})
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": __version__, "engine": "reference"})
@@ -446,6 +458,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--kv-pool-mb", type=int, default=0, help="a KV pool of N MiB, every byte written")
+    ap.add_argument("--cuda-graph", action="store_true", help="capture one CUDA graph at start")
     ap.add_argument("--memory-fraction", type=float, default=None,
                     help="a GPU share's memory: on cuda, the most of the device this process may take "
                          "(torch.cuda.set_per_process_memory_fraction); on cpu only reported")
@@ -463,7 +477,10 @@ def main(argv: list[str] | None = None) -> None:
     core = Core(Path(a.model), a.device, a.max_model_len)
     log.info("reference engine %s: %s on %s loaded in %.2fs (torch %s)", __version__, a.model,
              a.device, time.monotonic() - t0, torch.__version__)
-    server = Server(core, a.served_model_name or str(a.model))
+    extras = None
+    if a.kv_pool_mb or a.cuda_graph:
+        extras = DeviceExtras(core.model.device, core.model.lm_head, a.kv_pool_mb, a.cuda_graph)
+    server = Server(core, a.served_model_name or str(a.model), extras)
     web.run_app(server.app(), host=a.host, port=a.port, access_log=None,
                 handler_cancellation=True, backlog=2048,
                 print=lambda s: log.info("serving on %s:%s", a.host, a.port))

@@ -1,0 +1,337 @@
+"""scripts/gpu-check.sh's driver: one worker moved through the product's parts on one machine.
+
+The reference engine (adapters/reference; on CUDA with a captured CUDA graph and a KV pool) in a
+cell, the router (`python -m relocator.router`, a subprocess on loopback) in front of it, and
+three moves under STREAMS greedy streams sent through the router, each compared token by token
+with an unmoved run of the same prompts:
+  1. freeze and copy: HOLD, snapshot.dump (cuda-checkpoint + CRIU; the source left stopped),
+     snapshot.restore into a new cell on the same device, SWITCH (the router continues every
+     stream there), RELEASE (the source killed); the source is checked stopped (psutil's state,
+     and cuda-checkpoint's "checkpointed" on CUDA) after DUMP, after RESTORE and before RELEASE;
+  2. the same from that copy with its free KV pool released before DUMP (reserved again after
+     RESTORE), so the image leaves it out;
+  3. a handoff (make before break): a second copy started cold on the same device while the
+     source serves, then SWITCH and RELEASE; the source is never frozen.
+No Ray and no controller: the phases are run in order here with the parts the controller's
+machine calls (relocator.snapshot, relocator.worker, the router's control API). One JSON object
+on stdout (`run` returns it)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from relocator import waits
+from relocator.ports import free_port
+from relocator.router.client import RouterControl
+
+PROMPTS = ["the cluster node", "a worker moves to a new", "red river mountain light and",
+           "seven blue", "one more prompt for the", "tokens keep coming", "hold then switch", "x"]
+MODEL = "tiny-llama"
+WORKER = "w1"
+
+
+async def stream(base: str, prompt: str, tokens: int, gaps: list[float]) -> list[int]:
+    """One greedy stream's token ids; appends its largest gap between chunks to `gaps`."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "stream": True}
+    ids: list[int] = []
+    last, worst = time.monotonic(), 0.0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
+        async with s.post(f"{base}/v1/completions", json=body) as resp:
+            resp.raise_for_status()
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if "error" in chunk:
+                    raise RuntimeError(f"stream error: {chunk['error']}")
+                for choice in chunk.get("choices", []):
+                    ids += choice.get("token_ids") or []
+                now = time.monotonic()
+                worst, last = max(worst, now - last), now
+    gaps.append(worst)
+    return ids
+
+
+def compare(base: list[list[int]], got: list[list[int] | BaseException]) -> dict[str, int]:
+    """Tokens lost, duplicated and mismatched against the unmoved run; failed streams."""
+    out = {"tokens_lost": 0, "tokens_dup": 0, "tokens_mismatched": 0, "client_errors": 0}
+    for b, g in zip(base, got):
+        if isinstance(g, BaseException):
+            out["client_errors"] += 1
+            out["tokens_lost"] += len(b)
+            continue
+        out["tokens_mismatched"] += sum(1 for x, y in zip(b, g) if x != y)
+        out["tokens_lost"] += max(0, len(b) - len(g))
+        out["tokens_dup"] += max(0, len(g) - len(b))
+    return out
+
+
+class Check:
+    """The run's state: device, spec, router, cells, figures."""
+
+    def __init__(self, device: str, tokens: int, pool_mb: int, work: Path) -> None:
+        from relocator.cell import devices
+        from relocator.tinymodel import ensure_tiny_model
+        from relocator.worker import default_spec
+
+        self.device, self.tokens, self.pool_mb, self.work = device, tokens, pool_mb, work
+        gpus = devices.host_gpus()
+        if device == "cuda" and not gpus:
+            raise RuntimeError("--device cuda but this host has no NVIDIA GPU node")
+        self.gpu_ids = [gpus[0].index] if device == "cuda" else None
+        self.model = ensure_tiny_model()
+        self.spec = default_spec(self.model, engine="reference")
+        self.spec.extra_args = ["--device", device, "--kv-pool-mb", str(pool_mb)]
+        if device == "cuda":
+            self.spec.extra_args.append("--cuda-graph")
+        self.cells: list[Any] = []
+        self.router: subprocess.Popen | None = None
+        self.R: dict[str, Any] = {"device": device, "host_gpus": [vars(g) for g in gpus],
+                                  "streams": len(PROMPTS), "tokens_per_stream": tokens,
+                                  "kv_pool_mb": pool_mb, "moves": {}}
+
+    # -- parts ---------------------------------------------------------------------------
+    def launch(self) -> Any:
+        from relocator.worker import launch_worker
+
+        cell = launch_worker(self.spec, engine="reference", gpu_ids=self.gpu_ids)
+        self.cells.append(cell)
+        return cell
+
+    async def ready(self, cell: Any, timeout: float = 180) -> float:
+        from relocator.worker import wait_ready
+
+        return round(await wait_ready(cell, timeout=timeout, poll=0.05), 3)
+
+    async def device_call(self, cell: Any, action: str) -> dict:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            async with s.post(f"{cell.endpoint}/device/{action}") as r:
+                r.raise_for_status()
+                return await r.json()
+
+    def start_router(self) -> tuple[str, str]:
+        port, cport = free_port(), free_port()
+        env = {**os.environ, "RELOCATOR_ROUTER_CONTROL_PORT": str(cport)}
+        log = open(self.work / "router.log", "wb")
+        self.router = subprocess.Popen([sys.executable, "-m", "relocator.router", "--host", "127.0.0.1",
+                                        "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+        base, control = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{cport}"
+
+        def up() -> bool:
+            if self.router.poll() is not None:
+                raise RuntimeError(f"the router exited: {(self.work / 'router.log').read_text()[-2000:]}")
+            return _port_open(port)
+
+        waits.until(up, 30, every=0.1, what="the router")
+        return base, control
+
+    def source_stopped(self, cell: Any) -> bool:
+        """psutil says every process of the cell is stopped; on CUDA, cuda-checkpoint says every
+        process that had a context is still checkpointed."""
+        if not cell.is_stopped():
+            return False
+        if self.device != "cuda":
+            return True
+        from relocator.snapshot import cuda
+
+        states = cuda.contexts(cell.pids())
+        return bool(states) and all(s == cuda.CudaState.CHECKPOINTED for s in states.values())
+
+    # -- the streams ---------------------------------------------------------------------
+    def start_streams(self, base: str, gaps: list[float]) -> asyncio.Future:
+        return asyncio.gather(*(stream(base, p, self.tokens, gaps) for p in PROMPTS),
+                              return_exceptions=True)
+
+    async def in_flight(self, rc: RouterControl, at_least: int = 4) -> int:
+        """Wait until every stream has sent `at_least` tokens; the number in flight."""
+        async def enough() -> bool:
+            s = await rc.streams(WORKER)
+            return len(s) == len(PROMPTS) and all(len(x["sent_ids"]) >= at_least for x in s)
+
+        try:
+            await waits.until_async(enough, 60, every=0.02, what="the streams in flight")
+        except waits.WaitTimeout:
+            pass
+        return len(await rc.streams(WORKER))
+
+
+def _port_open(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+async def freeze_and_copy(ck: Check, rc: RouterControl, base: str, src: Any, drop_pool: bool) -> tuple[dict, Any]:
+    """One freeze-and-copy move of the worker's replica from `src`; (figures, the new cell)."""
+    from relocator.snapshot import dump, restore
+
+    gaps: list[float] = []
+    m: dict[str, Any] = {"kv_pool_in_image": not drop_pool}
+    run = ck.start_streams(base, gaps)
+    m["streams_in_flight_at_hold"] = await ck.in_flight(rc)
+    t_hold = time.monotonic()
+    await rc.hold(WORKER)
+    if drop_pool:
+        m["pool_released_bytes"] = (await ck.device_call(src, "release"))["bytes"]
+    img = await asyncio.to_thread(dump, src, ck.work / f"image-{len(ck.cells)}")
+    m["dump_s"] = round(time.monotonic() - t_hold, 3)
+    m["dump_timings"] = {k: round(v, 3) for k, v in img.manifest.timings.items()}
+    m["image_bytes"] = img.bytes
+    stopped = [ck.source_stopped(src)]
+    t = time.monotonic()
+    dst = await asyncio.to_thread(restore, img)
+    ck.cells.append(dst)
+    m["restore_s"] = round(time.monotonic() - t, 3)
+    m["restore_ready_s"] = await ck.ready(dst, 120)
+    if drop_pool:
+        m["pool_reserved_bytes"] = (await ck.device_call(dst, "reserve"))["bytes"]
+    m["device_check"] = await ck.device_call(dst, "check")
+    stopped.append(ck.source_stopped(src))
+    m["switch"] = {k: v for k, v in (await rc.switch(WORKER, dst.endpoint)).items() if k != "streams"}
+    m["blackout_s"] = round(time.monotonic() - t_hold, 3)
+    stopped.append(ck.source_stopped(src))
+    m["source_stayed_stopped"] = all(stopped)
+    src.kill()  # RELEASE
+    m["result"] = await run
+    m["max_token_gap_s"] = round(max(gaps, default=0.0), 3)
+    shutil.rmtree(img.dir, ignore_errors=True)
+    if ck.device == "cuda":
+        _cuda_rates(m)
+    return m, dst
+
+
+def _cuda_rates(m: dict) -> None:
+    dev = (m.get("device_check") or {}).get("device_bytes") or 0
+    cs = m["dump_timings"].get("cuda_checkpoint_s")
+    m["cuda_checkpoint_GBps"] = round(dev / 1e9 / cs, 3) if cs else None
+    m["cuda_restore_GBps"] = round(dev / 1e9 / m["restore_s"], 3) if m["restore_s"] else None  # criu + cuda
+
+
+async def handoff(ck: Check, rc: RouterControl, base: str, src: Any) -> tuple[dict, Any]:
+    """Make before break: a second copy on the same device while `src` serves, then SWITCH."""
+    gaps: list[float] = []
+    m: dict[str, Any] = {"transfer": "handoff"}
+    run = ck.start_streams(base, gaps)
+    m["streams_in_flight_at_start"] = await ck.in_flight(rc)
+    t = time.monotonic()
+    dst = ck.launch()
+    m["target_ready_s"] = await ck.ready(dst)
+    m["start_s"] = round(time.monotonic() - t, 3)
+    t = time.monotonic()
+    m["switch"] = {k: v for k, v in (await rc.switch(WORKER, dst.endpoint, keep_inexact=True)).items()
+                   if k != "streams"}
+    m["blackout_s"] = round(time.monotonic() - t, 3)
+    m["source_frozen_s"] = 0.0
+    m["result"] = await run
+    src.kill()  # RELEASE: every stream was exact (greedy), none stayed on the source
+    m["max_token_gap_s"] = round(max(gaps, default=0.0), 3)
+    return m, dst
+
+
+async def moves(ck: Check) -> None:
+    R = ck.R
+    src = ck.launch()
+    R["ready_s"] = await ck.ready(src)
+    R["device_check"] = await ck.device_call(src, "check")
+    gaps: list[float] = []
+    base_tokens = await asyncio.gather(*(stream(src.endpoint, p, ck.tokens, gaps) for p in PROMPTS))
+    R["stage"] = "router"
+    base, control = ck.start_router()
+    async with RouterControl(control) as rc:
+        await rc.add_replica(WORKER, MODEL, src.endpoint, tokenizer=str(ck.model), engine="reference")
+        for name, move in (("pool_in_image", lambda s: freeze_and_copy(ck, rc, base, s, False)),
+                           ("pool_left_out", lambda s: freeze_and_copy(ck, rc, base, s, True)),
+                           ("handoff", lambda s: handoff(ck, rc, base, s))):
+            R["stage"] = name
+            m, src = await move(src)
+            m.update(compare(base_tokens, m.pop("result")))
+            R["moves"][name] = m
+
+
+def summary(R: dict) -> None:
+    """The headline figures of the run, from its moves."""
+    mv = R["moves"]
+    a, b = mv.get("pool_in_image", {}), mv.get("pool_left_out", {})
+    R.update({"dump_s": a.get("dump_s"), "restore_s": a.get("restore_s"),
+              "cuda_checkpoint_GBps": a.get("cuda_checkpoint_GBps"),
+              "cuda_restore_GBps": a.get("cuda_restore_GBps"),
+              "image_bytes": a.get("image_bytes"), "image_bytes_no_kv_pool": b.get("image_bytes"),
+              "blackout_s": a.get("blackout_s"), "blackout_s_no_kv_pool": b.get("blackout_s"),
+              "handoff_blackout_s": mv.get("handoff", {}).get("blackout_s")})
+    for k in ("tokens_lost", "tokens_dup", "tokens_mismatched", "client_errors"):
+        R[k] = sum(m.get(k, 0) for m in mv.values())
+    R["source_stayed_stopped"] = all(m.get("source_stayed_stopped", True) for m in mv.values()) and bool(mv)
+    graph = [m.get("device_check", {}).get("graph") for m in mv.values() if "device_check" in m]
+    R["cuda_graph_ok"] = None if R["device"] != "cuda" else bool(graph) and all(graph)
+    R["ok"] = (len(mv) == 3 and R["source_stayed_stopped"] and R["cuda_graph_ok"] is not False
+               and not any(R[k] for k in ("tokens_lost", "tokens_dup", "tokens_mismatched", "client_errors")))
+
+
+def run(device: str = "auto", tokens: int = 160, pool_mb: int = 256) -> dict:
+    from relocator.cell import devices
+    from relocator.snapshot import cuda
+    from relocator.snapshot.criu import criu_binary, criu_version
+
+    if device == "auto":
+        device = "cuda" if devices.host_gpus() else "cpu"
+    work = Path(tempfile.mkdtemp(prefix="gpu-check-", dir=os.environ.get("GPU_CHECK_WORK", "/dev/shm")))
+    ck = Check(device, tokens, pool_mb, work)
+    R = ck.R
+    R.update(ok=False, stage="start", criu=criu_version(criu_binary()), cuda_checkpoint=cuda.binary(),
+             cuda_checkpoint_active=cuda.available())
+    t0 = time.monotonic()
+    try:
+        asyncio.run(moves(ck))
+        R["stage"] = "done"
+    except BaseException as exc:  # noqa: BLE001 - the JSON says where and why
+        R["error"] = f"{type(exc).__name__}: {exc}"
+        R["cell_logs"] = {c.id: _tail(c) for c in ck.cells}
+        R["router_log"] = _read(work / "router.log")[-2000:]
+    finally:
+        for c in ck.cells:
+            c.kill()
+        if ck.router is not None:
+            ck.router.terminate()
+            ck.router.wait(10)
+        shutil.rmtree(work, ignore_errors=True)
+    R["wall_s"] = round(time.monotonic() - t0, 3)
+    summary(R)
+    return R
+
+
+def _tail(cell: Any) -> str:
+    try:
+        return cell.log_tail(15)
+    except Exception as e:  # noqa: BLE001 - a log is best effort
+        return f"(no log: {e})"
+
+
+def _read(p: Path) -> str:
+    return p.read_text(errors="replace") if p.exists() else ""
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m relocator.bench.gpucheck")
+    ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    ap.add_argument("--tokens", type=int, default=160)
+    ap.add_argument("--kv-pool-mb", type=int, default=256)
+    a = ap.parse_args()
+    out = run(a.device, a.tokens, a.kv_pool_mb)
+    print(json.dumps(out, indent=2, default=str), flush=True)
+    sys.exit(0 if out["ok"] else 1)
