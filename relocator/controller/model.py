@@ -130,7 +130,7 @@ class WorkerRecord:
     id: str
     model: str
     node: str
-    gpus: int
+    gpus: float  # whole GPUs (an int >= 1) or a share of one GPU in (0, 1): relocator.shares
     engine: str = DEFAULT_ENGINE
     cell_id: str = ""
     endpoint: str = ""
@@ -184,7 +184,7 @@ class Demand:
     id: str
     kind: DemandKind
     model: str
-    gpus: int
+    gpus: float  # as WorkerRecord.gpus (relocator.shares)
     priority: int = 0
     engine: str = DEFAULT_ENGINE
     model_dir: str = ""
