@@ -205,3 +205,31 @@ async def test_router_table_shows_and_keeps_shares(tmp_path):
         assert srv2.rt.table.get("w1").gpus == 0.25
     finally:
         await srv2.stop()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 0.0001, 1.5, "abc"])
+def test_controller_launch_refuses_a_bad_gpus_before_anything_starts(bad, tmp_path):
+    from relocator.controller.controller import Controller
+    from relocator.controller.inventory import NodeInfo
+    from tests.test_controller_managers import Agents, Events
+
+    c = Controller.without_ray({"base_dir": tmp_path}, Agents(), Events(), {"n1": NodeInfo("n1", "n1", 4, 4)})
+    with pytest.raises(ValueError, match="(?i)gpu"):
+        c.launch("/nonexistent-model", gpus=bad, dry_run=True)
+    assert c.store.workers() == [] and c.store.demands() == []
+
+
+def test_controller_dry_run_seats_a_share_on_a_gpu_a_share_uses(tmp_path):
+    from relocator.controller.controller import Controller
+    from relocator.controller.inventory import NodeInfo
+    from relocator.controller.model import WorkerRecord, WorkerState
+    from tests.test_controller_managers import Agents, Events
+
+    nodes = {"n1": NodeInfo("n1", "n1", 2, 1.5), "n2": NodeInfo("n2", "n2", 2, 1.75)}
+    c = Controller.without_ray({"base_dir": tmp_path}, Agents(), Events(), nodes)
+    c.store.save_worker(WorkerRecord("s1", "m", "n1", 0.5, reservation="r1", gpu_ids=[0], state=WorkerState.RUNNING))
+    c.store.save_worker(WorkerRecord("s2", "m", "n2", 0.25, reservation="r2", gpu_ids=[1], state=WorkerState.RUNNING))
+    out = c.launch("/nonexistent-model", gpus=0.5, dry_run=True)
+    assert out["demand"]["gpus"] == 0.5 and out["plan"]["how"] == "fits" and out["plan"]["node"] in ("n1", "n2")
+    plan = c.consolidate(dry_run=True, max_moves=4)
+    assert [(m["worker"], m["to"]) for m in plan["moves"]] == [("s2", "n1")] and plan["gpus_freed"] == 1, plan
