@@ -33,6 +33,10 @@ def _share_engines(fraction: str) -> int:
     return n
 
 
+def _free(ctl) -> dict:
+    return {n["id"]: n["gpus_free"] for n in ctl.status()["nodes"]}
+
+
 def test_shares_mix_on_gpus_and_consolidate_moves_one_under_load(relocator_cluster) -> None:
     import ray
     from ray.util import placement_group
@@ -58,8 +62,7 @@ def test_shares_mix_on_gpus_and_consolidate_moves_one_under_load(relocator_clust
         assert (a["gpus"], b["gpus"], whole["gpus"]) == (0.25, 0.25, 1)
         assert len(a["gpu_ids"]) == 1 and whole["gpu_ids"] != a["gpu_ids"], (a, whole)  # a shares the tenant's GPU
         assert _share_engines("0.025") >= 2  # LaunchSpec.memory_fraction 0.1 x 0.25
-        free = {n["id"]: n["gpus_free"] for n in ctl.status()["nodes"]}
-        assert free == {"n1": 2.25, "n2": 3.75, "n3": 4}, free
+        wait_for(lambda: _free(ctl) == {"n1": 2.25, "n2": 3.75, "n3": 4}, 30, "Ray's view of the shares held")
 
         plan = ctl.consolidate(dry_run=True)
         assert [(m["worker"], m["from"], m["to"], m["gpus"]) for m in plan["moves"]] == [(b["id"], "n2", "n1", 0.25)]
@@ -76,8 +79,7 @@ def test_shares_mix_on_gpus_and_consolidate_moves_one_under_load(relocator_clust
         ws = workers(ctl)
         assert (ws[b["id"]]["node"], ws[b["id"]]["gpu_ids"]) == ("n1", a["gpu_ids"]), ws[b["id"]]
         assert out["nodes_freed"] == ["n2"] and out["gpus_moved"] == 0.25
-        free = {n["id"]: n["gpus_free"] for n in ctl.status()["nodes"]}
-        assert free == {"n1": 2, "n2": 4, "n3": 4}, free
+        wait_for(lambda: _free(ctl) == {"n1": 2, "n2": 4, "n3": 4}, 30, "n2 free after the move")
     finally:
         for wid in ids:
             try:
