@@ -145,7 +145,20 @@ def _measure(ctl, wid: str, dst: str, transfer: str, streams: int, max_tokens: i
         # the load's longest gap before the move (its normal pace), and where the blackout fell
         "normal_gap_max_s": load.get("normal_gap_max_s"),
         "blackout_at": blackout_at(full, load.get("blackout_span") or [], res.get("clock_offset_s", 0.0)),
+        "gap_by_phase": gap_by_phase(full, load.get("long_gaps") or [], res.get("clock_offset_s", 0.0)),
     }
+
+
+def gap_by_phase(rel: dict, gaps: list[list[float]], offset: float) -> dict[str, float]:
+    """The longest client gap ending in each phase (`gaps`: the load's longest, monotonic)."""
+    out: dict[str, float] = {}
+    for a, b in gaps:
+        t = b + offset
+        for p in rel.get("phases", []):
+            if p["started"] <= t <= (p.get("ended") or t):
+                out[p["name"]] = round(max(out.get(p["name"], 0.0), b - a), 4)
+                break
+    return out
 
 
 def blackout_at(rel: dict, span: list[float], offset: float) -> dict:
@@ -166,7 +179,8 @@ def _phase_info(rel: dict) -> dict:
     """Where DUMP, TRANSFER and RESTORE spent their time, as the agents reported it."""
     keep = ("seconds", "timings", "bytes", "lazy_bytes", "streamed_pages_bytes", "page_server_s", "hash_tail_s",
             "criu_restore_s", "health_s", "gb_per_s", "requested", "why", "postcopy_s", "page_bytes",
-            "pages_after_switch_bytes", "pushed_bytes", "pump_port", "pump_error", "image_on", "postcopy", "link")
+            "pages_after_switch_bytes", "pushed_bytes", "pump_port", "pump_error", "image_on", "postcopy", "link",
+            "catch_up", "moved_streams", "kept_streams")
     out = {}
     for p in rel.get("phases", []):
         info = {k: v for k, v in (p.get("info") or {}).items() if k in keep}

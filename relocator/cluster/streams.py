@@ -188,6 +188,7 @@ class Load:
         clients: dict[int, dict[str, Any]] = {}
         blackout = normal = 0.0
         span: list[float] = []  # (start, end) of the blackout's gap, monotonic
+        long_gaps: list[tuple[float, float, float]] = []  # (length, start, end) within the window
         for r in self.results:
             c = clients.setdefault(r.client, {"client": r.client, "requests": 0, "tokens": 0, "max_gap_s": 0.0,
                                               "errors": 0, "verified": 0})
@@ -211,6 +212,7 @@ class Load:
             for a, b in r.gaps():
                 c["max_gap_s"] = max(c["max_gap_s"], b - a)
                 if window and a <= window[1] and b >= window[0]:
+                    long_gaps.append((b - a, a, b))
                     if b - a > blackout:
                         blackout, span = b - a, [a, b]
                 elif window and b < window[0]:  # before the move: the load's normal gaps
@@ -223,6 +225,8 @@ class Load:
                 "text_bad": text_bad, "client_errors": len(errors),
                 "errors": errors[:5], "blackout_max_s": round(blackout, 4), "blackout_span": span,
                 "normal_gap_max_s": round(normal, 4),
+                # the 64 longest gaps overlapping the window: [start, end] (where each phase's lies)
+                "long_gaps": [[a, b] for _, a, b in sorted(long_gaps, reverse=True)[:64]],
                 "clients": [clients[k] for k in sorted(clients)]}
 
 

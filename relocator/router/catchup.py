@@ -88,10 +88,13 @@ async def _rounds(core: RouterCore, worker_id: str, endpoint: str, rounds: int, 
                   out: dict[str, Any]) -> None:
     r = core.table.get(worker_id)
     done: dict[StreamHandle, int] = {}
+    behind = None  # tokens the last round had to prefill
     for _ in range(rounds):  # bounded by rounds (and TIMEOUT_S), not a deadline loop
         todo = _due(list(r.streams), endpoint, done, gap)
-        if not todo:
-            return
+        lag = sum(len(p) + len(s) - done.get(h, 0) for h, p, s in todo)
+        if not todo or (behind is not None and lag >= behind):
+            return  # caught up, or not catching up (the source decodes as fast as the target prefills)
+        behind = lag
         if not out["rounds"]:  # the tokenizer for the continued text, checked once, before the cut
             h, _, sent = todo[0]
             await core.calls.tokenizer(r, core.codec(r), r.model, sent)
