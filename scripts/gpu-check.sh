@@ -16,7 +16,7 @@
 # exact and the source stayed stopped, 1 otherwise (the JSON says where it stopped), 2 on bad use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DEVICE=auto TOKENS=160 POOL=256 OUTFILE="" BUNDLE=${GPU_CHECK_TOOLS:-} JSON=0
+DEVICE=auto TOKENS=64 POOL=256 OUTFILE="" BUNDLE=${GPU_CHECK_TOOLS:-} JSON=0
 need() { [ "$2" -ge 2 ] || { echo "gpu-check: $1 needs a value" >&2; exit 2; }; }
 while [ $# -gt 0 ]; do
   case "$1" in

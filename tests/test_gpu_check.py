@@ -72,7 +72,7 @@ def test_gpu_bundle_rejects_bad_arguments(tmp_path):
 @pytest.mark.integration
 def test_gpu_check_cpu_moves_three_times_exactly():
     r = subprocess.run(["bash", str(ROOT / "scripts/gpu-check.sh"), "--device", "cpu", "--json",
-                        "--tokens", "96", "--kv-pool-mb", "128"],
+                        "--tokens", "32", "--kv-pool-mb", "64"],
                        capture_output=True, text=True, timeout=300)
     out = json.loads(r.stdout)  # stdout is the JSON alone
     assert r.returncode == 0, (out.get("error"), out.get("moves"), r.stderr[-2000:])
@@ -81,8 +81,11 @@ def test_gpu_check_cpu_moves_three_times_exactly():
     for k in ("tokens_lost", "tokens_dup", "tokens_mismatched", "client_errors"):
         assert out[k] == 0, k
     assert out["source_stayed_stopped"] is True
-    # the free pool (128 MiB, every page written) is in the first image and not in the second
-    assert out["image_bytes"] - out["image_bytes_no_kv_pool"] > 100 << 20
-    assert out["moves"]["pool_left_out"]["pool_reserved_bytes"] == 128 << 20
+    # streams were in flight when the source froze: the router continued them on the copy
+    assert out["moves"]["pool_in_image"]["switch"]["moved_streams"] > 0
+    assert out["moves"]["pool_left_out"]["switch"]["moved_streams"] > 0
+    # the free pool (64 MiB, every page written) is in the first image and not in the second
+    assert out["image_bytes"] - out["image_bytes_no_kv_pool"] > 50 << 20
+    assert out["moves"]["pool_left_out"]["pool_reserved_bytes"] == 64 << 20
     assert out["moves"]["handoff"]["source_frozen_s"] == 0.0
     assert out["cuda_checkpoint_GBps"] is None and out["cuda_graph_ok"] is None

@@ -281,7 +281,7 @@ def summary(R: dict) -> None:
                and not any(R[k] for k in ("tokens_lost", "tokens_dup", "tokens_mismatched", "client_errors")))
 
 
-def run(device: str = "auto", tokens: int = 160, pool_mb: int = 256) -> dict:
+def run(device: str = "auto", tokens: int = 64, pool_mb: int = 256) -> dict:
     from relocator.cell import devices
     from relocator.snapshot import cuda
     from relocator.snapshot.criu import criu_binary, criu_version
@@ -329,7 +329,7 @@ if __name__ == "__main__":
 
     ap = argparse.ArgumentParser(prog="python -m relocator.bench.gpucheck")
     ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
-    ap.add_argument("--tokens", type=int, default=160)
+    ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--kv-pool-mb", type=int, default=256)
     a = ap.parse_args()
     out = run(a.device, a.tokens, a.kv_pool_mb)
