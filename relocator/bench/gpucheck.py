@@ -97,6 +97,8 @@ class Check:
         self.spec.extra_args = ["--device", device, "--kv-pool-mb", str(pool_mb)]
         if device == "cuda":
             self.spec.extra_args.append("--cuda-graph")
+        if os.environ.get("PYTHONPATH"):  # a bundle's wheels (gpu-check.sh --bundle): the cell's
+            self.spec.env["PYTHONPATH"] = os.environ["PYTHONPATH"]  # default is the repository alone
         self.cells: list[Any] = []
         self.router: subprocess.Popen | None = None
         self.R: dict[str, Any] = {"device": device, "host_gpus": [vars(g) for g in gpus],
