@@ -85,6 +85,25 @@ def children(pid: int | None, recursive: bool = True) -> list[int]:
         return []
 
 
+def set_nice(pids: list[int], nice: int) -> int:
+    """Set the nice value of every thread of `pids` (Linux schedules threads: a process's
+    setpriority moves its main thread only); the threads changed. Gone or not allowed: skipped."""
+    n = 0
+    for pid in pids:
+        p = _proc(pid)
+        try:
+            tids = [t.id for t in p.threads()] if p else []
+        except _GONE:
+            continue
+        for tid in tids:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+                n += 1
+            except OSError:
+                pass
+    return n
+
+
 def tree(pid: int | None) -> list[int]:
     """`pid` and every process below it, `pid` first; [] when `pid` is gone."""
     return [pid, *children(pid)] if pid and alive(pid) else []

@@ -10,7 +10,7 @@ from relocator.controller.machine import DONE, ROLLED_BACK, Machine
 from relocator.controller.model import Relocation, WorkerRecord
 from relocator.controller.store import Store
 from relocator.controller.transfers import AUTO_ORDER, STRATEGIES
-from relocator.controller.transfers.handoff import CATCH_UP_ROUNDS, GAP_TOKENS, WarmUp
+from relocator.controller.transfers.handoff import CATCH_UP_ROUNDS, GAP_TOKENS, SOURCE_NICE, WarmUp
 from relocator.vocab import TransferMode
 from tests.test_controller_machine import FakeBackend
 
@@ -26,6 +26,12 @@ class HandoffBackend(FakeBackend):
         self.prefilled: list[list[int]] = []
         self.stay_on_source = 0  # streams the router kept on the source at SWITCH
         self.catch_ups: list[int] = []  # the router's catch-up rounds asked at each switch call
+        self.nice: list[tuple[str, str, int]] = []  # the source's priority, as asked
+
+    def prioritize(self, node, cell, nice):
+        self._call("prioritize", node, cell)
+        self.nice.append((node, cell, nice))
+        return 3
 
     def start_copy(self, node, cell, worker, gpu_ids):
         self._call("start_copy", node, cell)
@@ -93,6 +99,7 @@ def test_handoff_moves_without_freezing_the_source(env) -> None:
     w = store.worker("w1")
     assert (w.node, w.cell_id, w.state) == ("n2", "w1-r1", "running")
     assert be.catch_ups == [CATCH_UP_ROUNDS] and CATCH_UP_ROUNDS > 0  # the router's last rounds
+    assert be.nice == [("n1", "c1", SOURCE_NICE)] and SOURCE_NICE < 0  # favoured while the target starts
 
 
 @pytest.mark.parametrize("failing", ["start_copy", "prefill", "router_streams"])
@@ -105,6 +112,7 @@ def test_a_failure_before_the_switch_removes_only_the_target_copy(env, failing) 
     assert "switch" not in names and "resume" not in names and "hold" not in names and "release" not in names
     assert be.live() == [("n1", "c1")]  # the source served throughout; no target copy left
     assert be.router["w1"] == {"endpoint": "http://a", "held": False}
+    assert be.nice[-1] == ("n1", "c1", 0)  # its priority as before
     assert "relocator-w1-r1" not in be.reserved
     w = store.worker("w1")
     assert (w.node, w.cell_id, w.state) == ("n1", "c1", "running")

@@ -113,3 +113,21 @@ def test_host_facts_from_proc(tmp_path):
     assert procs.ns_inode("net") == os.stat("/proc/self/ns/net").st_ino and procs.ns_inode("net", 2 ** 22 + 1) is None
     assert (procs.root(os.getpid()) / "proc" / "self").exists()
     assert procs._unescape("/mnt/a\\040b") == "/mnt/a b"
+
+
+def test_set_nice_reaches_every_thread_of_a_process():
+    """Linux schedules threads: a handoff favours its source by the nice value of each one."""
+
+    import psutil
+
+    code = "import threading,time; [threading.Thread(target=time.sleep, args=(30,), daemon=True).start() for _ in range(3)]; print(1, flush=True); time.sleep(30)"
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert p.stdout.readline().strip() == b"1"
+        tids = [t.id for t in psutil.Process(p.pid).threads()]
+        assert len(tids) >= 4
+        assert procs.set_nice([p.pid, 999999999], 7) == len(tids)  # a gone pid is skipped
+        assert {os.getpriority(os.PRIO_PROCESS, t) for t in tids} == {7}
+    finally:
+        p.kill()
+        p.wait()

@@ -45,6 +45,14 @@ def prefill_one(endpoint: str, model: str, ids: list[int]) -> int:
 
 
 class HandoffOps(ModeBase):
+    def prioritize(self, cell_id: str, nice: int) -> int:
+        """Give the cell's every thread the nice value `nice` (a handoff's source, favoured over
+        the target copy starting next to it; 0 again on a rollback); the threads changed."""
+        from relocator import procs
+        from relocator.cell.cell import load_cell
+
+        return procs.set_nice(load_cell(cell_id).pids(), nice)
+
     def prefill(self, endpoint: str, model: str, sequences: list[list[int]]) -> dict[str, Any]:
         """Prefill every token sequence on the copy at `endpoint` (this node's), all at once (the
         engine batches them: a round takes about one prefill, not one per stream, so the source

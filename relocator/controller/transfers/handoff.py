@@ -11,6 +11,7 @@ removes the target copy: the source served throughout (docs/handoff.md)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,8 @@ from relocator.waits import settle
 
 if TYPE_CHECKING:
     from relocator.controller.model import Relocation, WorkerRecord
+
+log = logging.getLogger(__name__)
 
 #: a stream within this many tokens of its last prefill needs no further round
 GAP_TOKENS = 4
@@ -35,6 +38,9 @@ AUTO_WHY = ("it starts a second copy on the target while the source serves (a co
             "target has no warm image of the worker's kind: 34-69 s on the CPU reference, where a whole "
             "freeze-and-copy move takes 5-20 s), and with a sibling replica the freezing modes' streams go "
             "to the sibling at HOLD")
+#: the source's nice value while the target copy starts and warms up next to it (where both share
+#: CPUs, the target's start took the source's decoding time: the longest client gap fell there)
+SOURCE_NICE = -10
 #: how long streams that cannot be continued exactly may finish on the source after SWITCH
 #: (the default of config controller.handoff_window_s)
 WINDOW_S = 30.0
@@ -47,6 +53,10 @@ class HandoffCalls:
         """A second copy of `worker` on `node` (warm image of its kind, else cold)."""
         return self.agents.launch(node, cell_id, worker.model_dir, worker.model,  # type: ignore[attr-defined]
                                   engine=worker.engine, gpu_ids=gpu_ids, extra=engine_extra(worker.gpus))
+
+    def prioritize(self, node: str, cell_id: str, nice: int) -> int:
+        return self.agents.call(node, lambda a: a.prioritize.remote(cell_id, nice),  # type: ignore[attr-defined]
+                                "prioritize", timeout=30)
 
     def router_streams(self, worker_id: str) -> list[dict]:
         return self._router(worker_id, lambda rc: rc.streams(worker_id))  # type: ignore[attr-defined]
@@ -109,6 +119,14 @@ def warm_up(backend: Any, rel: "Relocation", worker: "WorkerRecord", rounds: int
     return w.figures(time.monotonic() - t0)
 
 
+def favour(backend: Any, rel: "Relocation", nice: int) -> None:
+    """The source's threads at `nice` (best effort: a move never fails for it)."""
+    try:
+        backend.prioritize(rel.src, rel.src_cell, nice)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("handoff %s: source priority not set to %d: %s", rel.id, nice, exc)
+
+
 def on_source(backend: Any, rel: "Relocation") -> int:
     """Streams still read from the source's endpoint (those kept at SWITCH)."""
     return sum(1 for s in backend.router_streams(rel.worker) if s.get("endpoint") == rel.src_endpoint)
@@ -140,14 +158,20 @@ class HandoffTransfer(TransferStrategy):
         worker = ctx.store.worker(rel.worker)
         if worker is None:
             raise PlanError(f"unknown worker {rel.worker!r}")
-        t0 = time.monotonic()
-        info = ctx.backend.start_copy(rel.dst, rel.dst_cell, worker, rel.dst_gpu_ids or None)
-        rel.dst_endpoint = info["endpoint"]
-        ctx.save(rel)  # a failure from here on kills the target copy (rollback)
-        how = info.get("warm") or {}  # the agent's launch: {how: warm|cold, key, reason, capture}
-        start = {"start_s": round(time.monotonic() - t0, 4), "warm": how.get("how") == "warm",
-                 "start_why": how.get("reason", "")}
-        return {**info, **start, **warm_up(ctx.backend, rel, worker), "source_frozen_s": 0.0}
+        favour(ctx.backend, rel, SOURCE_NICE)  # the source keeps its CPUs while the target starts
+        try:
+            t0 = time.monotonic()
+            info = ctx.backend.start_copy(rel.dst, rel.dst_cell, worker, rel.dst_gpu_ids or None)
+            rel.dst_endpoint = info["endpoint"]
+            ctx.save(rel)  # a failure from here on kills the target copy (rollback)
+            how = info.get("warm") or {}  # the agent's launch: {how: warm|cold, key, reason, capture}
+            start = {"start_s": round(time.monotonic() - t0, 4), "warm": how.get("how") == "warm",
+                     "start_why": how.get("reason", "")}
+            warm = warm_up(ctx.backend, rel, worker)
+        except BaseException:
+            favour(ctx.backend, rel, 0)  # rolled back: the source serves on as before
+            raise
+        return {**info, **start, **warm, "source_frozen_s": 0.0, "source_nice": SOURCE_NICE}
 
     def switch(self, ctx: Context, rel: "Relocation", worker: "WorkerRecord") -> dict:
         return ctx.backend.handoff_switch(worker.id, rel.dst_endpoint, keep_inexact=True,
@@ -165,4 +189,5 @@ class HandoffTransfer(TransferStrategy):
         return out
 
 
-__all__ = ["AUTO_WHY", "CATCH_UP_ROUNDS", "GAP_TOKENS", "HandoffCalls", "HandoffTransfer", "MAX_ROUNDS", "WINDOW_S", "WarmUp", "warm_up"]
+__all__ = ["AUTO_WHY", "CATCH_UP_ROUNDS", "GAP_TOKENS", "HandoffCalls", "HandoffTransfer", "MAX_ROUNDS", "SOURCE_NICE",
+           "WINDOW_S", "WarmUp", "favour", "warm_up"]
