@@ -233,3 +233,15 @@ def test_controller_dry_run_seats_a_share_on_a_gpu_a_share_uses(tmp_path):
     assert out["demand"]["gpus"] == 0.5 and out["plan"]["how"] == "fits" and out["plan"]["node"] in ("n1", "n2")
     plan = c.consolidate(dry_run=True, max_moves=4)
     assert [(m["worker"], m["to"]) for m in plan["moves"]] == [("s2", "n1")] and plan["gpus_freed"] == 1, plan
+
+
+def test_preempt_for_a_share_suspends_on_the_gpu_it_frees():
+    # n1: GPU0 0.5 (lo1) + 0.5 (hi), GPU1 0.5 (lo2) + 0.5 (hi2): a 0.75 share needs a GPU with both
+    # halves gone; suspending lo1 and lo2 (1.0 summed) frees no GPU enough: refused there
+    nodes = _view({"n1": 2.0}, total=2)
+    seats = [Seat("lo1", "n1", 0.5, gpu_ids=(0,)), Seat("hi", "n1", 0.5, priority=9, gpu_ids=(0,)),
+             Seat("lo2", "n1", 0.5, gpu_ids=(1,)), Seat("hi2", "n1", 0.5, priority=9, gpu_ids=(1,))]
+    assert scheduling.preempt(nodes, seats, 0.75, priority=5).node is None
+    seats[1] = Seat("hi", "n1", 0.5, priority=1, gpu_ids=(0,))  # now both halves of GPU0 may go
+    got = scheduling.preempt(nodes, seats, 0.75, priority=5)
+    assert got.node == "n1" and set(got.suspends) <= {"lo1", "hi", "lo2"} and {"lo1", "hi"} <= set(got.suspends)

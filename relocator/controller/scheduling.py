@@ -226,38 +226,68 @@ def make_room(nodes: list[NodeView], seats: list[Seat], gpus: float, max_moves: 
     return Seating(plan.placement.node, _moves(plan, {s.worker: s for s in seats}))
 
 
-def preempt(nodes: list[NodeView], seats: list[Seat], gpus: int, priority: int,
+def _share_fits_without(n: NodeView, seats: list[Seat], victims: list[Seat], gpus: float) -> bool:
+    """Whether a share of `gpus` fits on one GPU of `n` once `victims` are suspended."""
+    gone = {s.worker for s in victims}
+    view = NodeView(n.id, n.gpus_total, n.gpus_free + sum(s.gpus for s in victims))
+    cluster = to_cluster([view], [s for s in seats if s.node == n.id and s.worker not in gone])
+    return planner.place(cluster, demand_workload(gpus), policy="best-fit") is not None
+
+
+def _victims(free: float, cands: list[Seat], gpus: float) -> list[Seat] | None:
+    """The fewest of `cands` whose GPUs with `free` make `gpus`: the largest of the lowest
+    priority first (past their limit before all), then any not needed dropped (those within
+    their limit first). None: all of them are not enough."""
+    victims: list[Seat] = []
+    for s in sorted(cands, key=lambda s: (not s.expired, -s.gpus, s.priority, s.worker)):
+        if free >= gpus:
+            break
+        victims.append(s)
+        free += s.gpus
+    if free < gpus:
+        return None
+    for s in sorted(victims, key=lambda s: (s.expired, -s.priority, s.gpus)):  # needless ones go back
+        if free - s.gpus >= gpus:
+            victims.remove(s)
+            free -= s.gpus
+    return victims
+
+
+def _share_victims(n: NodeView, seats: list[Seat], cands: list[Seat], gpus: float) -> list[Seat] | None:
+    """For a share: the victims on one GPU of `n` (the GPU whose victims are fewest)."""
+    cluster = to_cluster([n], [s for s in seats if s.node == n.id])
+    left = cluster.gpu_left[cluster.node_index(n.id)]
+    best: list[Seat] | None = None
+    for g in range(n.gpus_total):
+        on_g = [s for s in cands if g in s.gpu_ids]
+        v = _victims(int(left[g]) / planner.MILLI, on_g, gpus)
+        if v is not None and _share_fits_without(n, seats, v, gpus) and (best is None or len(v) < len(best)):
+            best = v
+    return best
+
+
+def preempt(nodes: list[NodeView], seats: list[Seat], gpus: float, priority: int,
             exclude: Iterable[str] = ()) -> Seating:
-    """The fewest running workers to suspend so that `gpus` GPUs are free on one node: of
-    priority below `priority`, or past their time limit (`can_suspend`). Those past their
-    limit first (they had their turn), then the fewest, the lowest priorities, the fewest GPUs."""
+    """The fewest running workers to suspend so that `gpus` GPUs are free on one node (a share:
+    on one GPU): of priority below `priority`, or past their time limit (`can_suspend`). Those
+    past their limit first (they had their turn), then the fewest, the lowest priorities, the
+    fewest GPUs."""
     best: tuple | None = None
     exclude = closed(nodes, exclude)
     for n in nodes:
         if n.id in exclude or n.gpus_total < gpus:
             continue
-        free = n.gpus_free
-        victims: list[Seat] = []
         cands = [s for s in seats if s.node == n.id and can_suspend(s, priority)]
-        # the fewest: take the largest of the lowest priority first (past their limit before
-        # all), then drop any not needed (those within their limit first)
-        for s in sorted(cands, key=lambda s: (not s.expired, -s.gpus, s.priority, s.worker)):
-            if free >= gpus:
-                break
-            victims.append(s)
-            free += s.gpus
-        if free < gpus:
+        victims = (_share_victims(n, seats, cands, gpus) if shares.is_share(gpus)
+                   else _victims(n.gpus_free, cands, gpus))
+        if victims is None:
             continue
-        for s in sorted(victims, key=lambda s: (s.expired, -s.priority, s.gpus)):  # needless ones go back
-            if free - s.gpus >= gpus:
-                victims.remove(s)
-                free -= s.gpus
         key = (sum(not s.expired for s in victims), len(victims), sum(s.priority for s in victims),
                sum(s.gpus for s in victims), n.id)
         if best is None or key < best[0]:
             best = (key, n.id, [s.worker for s in victims])
     if best is None:
-        return Seating(None, reason=f"no node has {gpus} GPU(s) even after suspending every worker of "
+        return Seating(None, reason=f"no node has {wanted(gpus)} even after suspending every worker of "
                                     f"priority below {priority} or past its time limit")
     return Seating(best[1], suspends=best[2])
 
