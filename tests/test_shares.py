@@ -245,3 +245,11 @@ def test_preempt_for_a_share_suspends_on_the_gpu_it_frees():
     seats[1] = Seat("hi", "n1", 0.5, priority=1, gpu_ids=(0,))  # now both halves of GPU0 may go
     got = scheduling.preempt(nodes, seats, 0.75, priority=5)
     assert got.node == "n1" and set(got.suspends) <= {"lo1", "hi", "lo2"} and {"lo1", "hi"} <= set(got.suspends)
+
+
+def test_make_room_for_whole_gpus_moves_shares_off_a_node():
+    nodes = _view({"n1": 0.25, "n2": 0.5})
+    seats = [Seat("s1", "n1", 0.25, bytes=GIB, gpu_ids=(0,)), Seat("s2", "n2", 0.25, bytes=GIB, gpu_ids=(0,)),
+             Seat("s3", "n2", 0.25, bytes=GIB, gpu_ids=(1,))]
+    seating = scheduling.make_room(nodes, seats, 4)
+    assert (seating.node, [(m.worker, m.dst, m.gpus) for m in seating.moves]) == ("n1", [("s1", "n2", 0.25)])
