@@ -375,3 +375,36 @@ def test_health_reader_without_nvml_reports_no_gpus(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
     out = HealthReader("n1", tmp_path, env={}).read()
     assert out["gpus"] == [] and out["nvml"] == "none"
+
+
+# -- CLI and metrics ---------------------------------------------------------------------------
+def test_cli_validates_a_file_offline_and_refuses_bad_labels(tmp_path):
+    from typer.testing import CliRunner
+
+    from relocator.cli import _register, app
+
+    _register()
+    bad = tmp_path / "p.yaml"
+    bad.write_text("policies:\n - name: x\n   trigger: {kind: schedule, cron: '* * *'}\n   action: {kind: move}\n"
+                   " - name: y\n   trigger: {kind: node-notice}\n   action: {kind: cordon}\n")
+    r = CliRunner().invoke(app, ["policies", "--file", str(bad), "--json"])
+    assert r.exit_code == 2
+    out = json.loads(r.stdout)
+    assert [p["name"] for p in out["policies"]] == ["y"] and out["errors"][0]["name"] == "x"
+    r = CliRunner().invoke(app, ["launch", "--label", "nokey", "--cluster-dir", str(tmp_path)])
+    assert r.exit_code == 2 and "--label wants k=v" in r.output
+    r = CliRunner().invoke(app, ["notice", "n1", "--cluster-dir", str(tmp_path)])
+    assert r.exit_code == 2 and "exactly one of" in r.output
+
+
+def test_policy_counts_and_gpu_states_are_metrics():
+    from relocator.controller.metrics import ControllerCollector
+
+    store = MemStore()
+    store.put("policy_actions", "p|move|ok", {"policy": "p", "action": "move", "result": "ok", "n": 2})
+    store.put("gpu_health", "n1/2", {"node": "n1", "gpu": 2, "state": "draining", "why": "x"})
+    fams = {f.name: f for f in ControllerCollector.policy_metrics(store)}
+    (s,) = [s for s in fams["relocator_policy_actions"].samples if s.name.endswith("_total")]
+    assert s.labels == {"policy": "p", "action": "move", "result": "ok"} and s.value == 2
+    (g,) = fams["relocator_gpu_health"].samples
+    assert g.labels == {"node": "n1", "gpu": "2", "state": "draining"}

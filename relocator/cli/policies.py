@@ -109,7 +109,7 @@ def notice_cmd(node: str = typer.Argument(..., help="the node that goes away"),
                reason: str = typer.Option("", "--reason"),
                cluster_dir: Optional[str] = CLUSTER_DIR, json_out: bool = JSON) -> None:
     """Say that NODE goes away at a time (a spot notice, a maintenance): node-notice policies act."""
-    if clear == (in_s is None and at is None) or (in_s is not None and at is not None):
+    if (in_s is not None) + (at is not None) + clear != 1:
         raise typer.BadParameter("give exactly one of --in, --at, --clear")
     when = None if clear else (at if at is not None else time.time() + float(in_s))
     out = _connect(cluster_dir).notice(node, when, reason)
