@@ -13,6 +13,7 @@ from relocator.policies.runner import PolicyPorts
 
 POLICIES_ENV = "RELOCATOR_POLICIES"  # a policies file (else the config's policies_file, else DEFAULT_FILE)
 DEFAULT_FILE = Path(__file__).resolve().parents[2] / "configs" / "policies.yaml"
+HEALTH_TIMEOUT_S = 3.0  # an agent's health report: the reconcile round waits no longer
 WORKER_FIELDS = ("id", "node", "state", "gpus", "gpu_ids", "engine", "model", "priority")
 
 
@@ -53,7 +54,7 @@ def ports(ctl: Any) -> PolicyPorts:
         workers=lambda: [{k: w.to_dict()[k] for k in WORKER_FIELDS} | {"state": str(w.state.value)}
                          for w in store.workers()],
         nodes=lambda: _nodes(ctl),
-        health=lambda node: b.agents.health(node),
+        health=lambda node: b.agents.health(node, timeout=HEALTH_TIMEOUT_S),
         pending=ctl.pending,
         relocations=lambda: [r.summary() for r in store.relocations()],
         relocate=lambda worker, to=None, transfer=None, wait=False: ctl.relocations.relocate(
