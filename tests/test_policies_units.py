@@ -408,3 +408,15 @@ def test_policy_counts_and_gpu_states_are_metrics():
     assert s.labels == {"policy": "p", "action": "move", "result": "ok"} and s.value == 2
     (g,) = fams["relocator_gpu_health"].samples
     assert g.labels == {"node": "n1", "gpu": "2", "state": "draining"}
+
+
+def test_shutdown_releases_every_withheld_gpu():
+    c = Clock()
+    fc = FakeCluster(c)
+    fc.workers = []
+    eng = fc.engine({"policies": []})
+    fc.health["n1"]["gpus"] = [{"index": 1, "xids": [79]}]
+    eng.update()
+    assert ("hold", "n1", 1) in fc.calls
+    eng.gpus.release_all()
+    assert ("release", "n1", 1) in fc.calls and eng.gpus.states()[0]["held"] is False

@@ -400,6 +400,7 @@ class Controller:
         self._stop.set()
         self.claims.wake.set()
         out: dict[str, Any] = {"killed": {}, "freed": []}
+        self.policies.gpus.release_all()  # withheld GPUs' reservations
         for name, info in self.inventory().items():
             try:
                 out["killed"][name] = (self.backend.agents.kill_all(name, timeout=120) if info.alive

@@ -62,6 +62,12 @@ class GpuBook:
         if state != old["state"]:
             self.emit("gpu_health", node=node, gpu=gpu, **{"from": old["state"], "to": state}, why=why)
 
+    def release_all(self) -> None:
+        """Every withheld GPU's reservation freed (the controller's shutdown); states kept."""
+        for d in self.states():
+            if d.get("held") and self._try(self.release, d["node"], d["gpu"]):
+                self.store.put(KIND, f"{d['node']}/{d['gpu']}", {**d, "held": False})
+
     @staticmethod
     def _try(fn: Callable[[str, int], None], node: str, gpu: int) -> bool:
         try:
