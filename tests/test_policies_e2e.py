@@ -21,7 +21,7 @@ from tests.helpers import clean, continued_streams, wait_for, workers
 pytestmark = pytest.mark.integration
 MODEL = "tiny-llama"
 ENGINE = "reference"
-MAX_TOKENS = 48
+MAX_TOKENS = 200  # streams long enough that the moves cut some (continued, not finished)
 LABEL = {"test": "policies-e2e"}
 POLICIES = {"policies": [
     {"name": "t-bad-gpu", "trigger": {"kind": "gpu-health"}, "filter": {"labels": LABEL},
