@@ -288,6 +288,9 @@ def run(device: str = "auto", tokens: int = 64, pool_mb: int = 256) -> dict:
     from relocator.snapshot import cuda
     from relocator.snapshot.criu import criu_binary, criu_version
 
+    from relocator.credentials import use_machine_key
+
+    use_machine_key()  # a by-hand run: images signed with this machine's key (as `relocator snapshot`)
     if device == "auto":
         device = "cuda" if devices.host_gpus() else "cpu"
     work = Path(tempfile.mkdtemp(prefix="gpu-check-", dir=os.environ.get("GPU_CHECK_WORK", "/dev/shm")))
