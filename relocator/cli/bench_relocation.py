@@ -53,6 +53,7 @@ def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode | 
     name = str(transfer.value if isinstance(transfer, TransferMode) else transfer)
     modes = ALL_MODES if name == "all" else (name,)
     runs = []
+    moved = f"{src} -> {dst}"  # the first move (the loop swaps them for the next)
     try:
         t = time.monotonic()
         w = ctl.launch(MODEL, 2, src, engine=engine)
@@ -74,7 +75,7 @@ def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode | 
     for r in runs:
         r["blackout_pct_of_cold_start"] = round(100 * r["blackout_max_s"] / cold, 1) if cold else None
     if emulate_hosts:
-        common.update({"emulated_hosts": emulate_hosts, "moved": f"{src} -> {dst}"})
+        common.update({"emulated_hosts": emulate_hosts, "moved": moved})
         if lost is not None:
             common["host_loss"] = lost
     if len(runs) == 1:
