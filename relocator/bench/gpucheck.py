@@ -210,7 +210,7 @@ async def freeze_and_copy(ck: Check, rc: RouterControl, base: str, src: Any, dro
     src.kill()  # RELEASE
     m["result"] = await run
     m["max_token_gap_s"] = round(max(gaps, default=0.0), 3)
-    shutil.rmtree(img.dir, ignore_errors=True)
+    shutil.rmtree(img.path, ignore_errors=True)
     if ck.device == "cuda":
         _cuda_rates(m)
     return m, dst
