@@ -72,7 +72,7 @@ def test_gpu_bundle_rejects_bad_arguments(tmp_path):
 @pytest.mark.integration
 def test_gpu_check_cpu_moves_three_times_exactly():
     r = subprocess.run(["bash", str(ROOT / "scripts/gpu-check.sh"), "--device", "cpu", "--json",
-                        "--tokens", "32", "--kv-pool-mb", "64"],
+                        "--tokens", "128", "--kv-pool-mb", "64"],
                        capture_output=True, text=True, timeout=300)
     out = json.loads(r.stdout)  # stdout is the JSON alone
     assert r.returncode == 0, (out.get("error"), out.get("moves"), r.stderr[-2000:])

@@ -227,10 +227,10 @@ async def handoff(ck: Check, rc: RouterControl, base: str, src: Any) -> tuple[di
     """Make before break: a second copy on the same device while `src` serves, then SWITCH."""
     gaps: list[float] = []
     m: dict[str, Any] = {"transfer": "handoff"}
-    run = ck.start_streams(base, gaps)
-    m["streams_in_flight_at_start"] = await ck.in_flight(rc)
     t = time.monotonic()
-    dst = ck.launch()
+    dst = ck.launch()  # starting while the source serves; the streams begin meanwhile, so that
+    run = ck.start_streams(base, gaps)  # they are still in flight at SWITCH (a short run's
+    m["streams_in_flight_at_start"] = await ck.in_flight(rc)  # streams outlast no cold start)
     m["target_ready_s"] = await ck.ready(dst)
     m["start_s"] = round(time.monotonic() - t, 3)
     t = time.monotonic()
