@@ -60,13 +60,17 @@ def listener_pid(port: int, host: str | None = "127.0.0.1") -> int | None:
                       and (addrs is None or c.laddr.ip in addrs)})
     if len(holders) > 1:
         # an inherited socket (the cluster daemon owns the router's listener and passes it to
-        # the router child): the server is the holder whose parent also holds it
-        parents = {_ppid(h) for h in holders}
-        holders = [h for h in holders if h not in parents] or holders
+        # the router child, which may pass it on to a child of its own): the server is the
+        # holder whose parent holds it and whose grandparent does not
+        held = set(holders)
+        servers = [h for h in holders if _ppid(h) in held and _ppid(_ppid(h)) not in held]
+        holders = servers or holders
     return holders[0] if holders else None
 
 
-def _ppid(pid: int) -> int | None:
+def _ppid(pid: int | None) -> int | None:
+    if pid is None:
+        return None
     try:
         return psutil.Process(pid).ppid()
     except psutil.Error:
