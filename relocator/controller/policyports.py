@@ -68,6 +68,9 @@ def ports(ctl: Any) -> PolicyPorts:
         hold_gpu=lambda node, gpu: b.reserve(WorkerRecord(id=hold_name(node, gpu), model="", node=node, gpus=1),
                                              node, hold_name(node, gpu), timeout=5.0),
         release_gpu=lambda node, gpu: b.free(hold_name(node, gpu)),
+        # the worker's kind's warm image copied to the node (every image it lacks when the
+        # worker's kind is not known: it was not started through this controller)
+        prefetch=lambda worker, node: ctl.prefetch_images(node, ctl.workers.kinds.get(worker)),
     )
 
 

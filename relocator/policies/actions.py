@@ -108,8 +108,8 @@ class ConsolidateAction(_Action):
 
 
 class PrefetchImageAction(_Action):
-    """Capture (or refresh) the warm image of each affected worker's kind on `nodes` (all live
-    nodes when empty), so a later start there is a restore."""
+    """Copy the warm image of each affected worker's kind to `nodes` (all live nodes when
+    empty; relocator/controller/warmcopies.py), so a later start there is a restore."""
 
     kind: Literal["prefetch-image"]
     nodes: list[str] = Field(default_factory=list)
