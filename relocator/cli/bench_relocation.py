@@ -140,7 +140,7 @@ def _measure(ctl, wid: str, dst: str, transfer: str, streams: int, max_tokens: i
         "phase_info": _phase_info(full),
         "tokens_lost": load["tokens_lost"], "tokens_duplicated": load["tokens_duplicated"],
         "tokens_mismatched": load["tokens_mismatched"], "text_mismatched": load["text_mismatched"],
-        "client_errors": load["client_errors"],
+        "client_errors": load["client_errors"], "errors": (load.get("errors") or [])[:5],
         "requests": load["requests"], "tokens": load["tokens"],
         "result": rel["result"], "client_max_gap_s": [c["max_gap_s"] for c in load["clients"]],
         # the load's longest gap before the move (its normal pace), and where the blackout fell
