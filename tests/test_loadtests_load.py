@@ -215,3 +215,26 @@ async def test_one_token_comparison_for_load_and_cluster_streams():
     rep = lo.report()
     assert (rep["tokens_lost"], rep["tokens_duplicated"], rep["tokens_mismatched"]) == (1, 0, 0), rep
     assert rep["text_mismatched"] == 1
+
+
+async def test_cluster_load_with_more_clients_than_reference_prompts_checks_what_each_sent():
+    """Three clients against a two-prompt reference: each client sends the prompt it is checked
+    against (client 2 once sent prompt 2 and was checked against prompt 0's reference)."""
+    import relocator.cluster.streams as streams
+
+    from relocator.router.fakeserver import Knobs
+
+    eng, runner, url = await start_fake("fake", knobs=Knobs(token_delay_s=0.005))
+    try:
+        ref = await streams.reference(url, "fake", 12, 2, 2)
+        lo = streams.Load(url, "fake", ref, 12, 3).start()
+        t0 = time.monotonic()
+        await asyncio.get_running_loop().run_in_executor(None, lambda: time.sleep(1.0))
+        await asyncio.get_running_loop().run_in_executor(None, lo.stop)
+        print(f"stop took {time.monotonic() - t0:.1f}s")
+        rep = lo.report()
+        assert rep["requests"] > 3 and rep["text_mismatched"] == 0 and rep["tokens_mismatched"] == 0, rep
+        # every finished request of every client checked against its prompt's reference
+        assert all(c["requests"] > 0 and c["verified"] >= c["requests"] - 1 for c in rep["clients"]), rep["clients"]
+    finally:
+        await runner.cleanup()

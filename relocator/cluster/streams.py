@@ -161,10 +161,13 @@ class Load:
     async def _main(self) -> None:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=client_headers()) as s:
             async def client(c: int) -> None:
+                # the prompt the reference ran as that index (fewer reference prompts than
+                # clients: clients share them, and each must send the prompt it is checked against)
+                idx = c % len(self.ref)
                 while not self._stop.is_set():
                     res_task = asyncio.ensure_future(stream_once(
-                        s, self.url, self.model, PROMPTS[c % len(PROMPTS)], self.max_tokens, client=c,
-                        prompt_idx=c % len(self.ref), timeout=self.request_timeout_s))
+                        s, self.url, self.model, PROMPTS[idx % len(PROMPTS)], self.max_tokens, client=c,
+                        prompt_idx=idx, timeout=self.request_timeout_s))
                     res = await res_task
                     self.results.append(res)
                     if res.error:
