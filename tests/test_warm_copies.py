@@ -46,7 +46,7 @@ class _Clock:
 
 
 def _copies(holders: dict[str, set[str]], fail: set[str] = frozenset(), cordoned: set[str] = frozenset(),
-            cfg: WarmConfig | None = None):
+            cfg: WarmConfig | None = None, busy: list[bool] | None = None):
     events: list[tuple[str, dict]] = []
     fetched: list[tuple[str, str, str]] = []
     clock = _Clock()
@@ -65,7 +65,8 @@ def _copies(holders: dict[str, set[str]], fail: set[str] = frozenset(), cordoned
 
     wc = WarmCopies(nodes=lambda: list(holders), keys=keys, fetch=fetch,
                     emit=lambda kind, **f: events.append((str(kind.value), f)), cordoned=lambda: set(cordoned),
-                    config=lambda: cfg or WarmConfig(), clock=clock, spawn=lambda fn: fn())
+                    config=lambda: cfg or WarmConfig(), clock=clock, spawn=lambda fn: fn(),
+                    busy=lambda: bool(busy and busy[0]))
     return wc, events, fetched, clock
 
 
@@ -142,3 +143,13 @@ def test_prefetch_by_hand_copies_what_the_node_lacks_and_reports_the_rest() -> N
             assert bad in str(exc)
         else:
             raise AssertionError("an unknown node was accepted")
+
+
+def test_no_copy_starts_while_a_move_or_a_start_is_under_way() -> None:
+    busy = [True]
+    wc, _events, fetched, _clock = _copies({"a": {"k"}, "b": set()}, busy=busy)
+    wc.update()
+    assert fetched == [] and "under way" in wc.last["why"]
+    busy[0] = False
+    wc.update()  # not rescheduled by the skipped round: due at once
+    assert fetched == [("b", "a", "k")]

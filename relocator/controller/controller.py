@@ -123,7 +123,8 @@ class Controller:
         self.warm_copies = WarmCopies(
             nodes=lambda: list(live()) if agents is not None else [], keys=lambda n: agents.warm_keys(n),
             fetch=lambda dst, src, key: agents.fetch_warm(dst, src, key), emit=self.emit,
-            host_of=lambda: ray_hosts(live()), cordoned=self.cordoned)
+            host_of=lambda: ray_hosts(live()), cordoned=self.cordoned,
+            busy=lambda: bool(self.claims.placing or self.store.open_relocations()))
         self.workers.image_holders = self.warm_copies.holders_of
 
     def _wire_why(self) -> None:

@@ -5,7 +5,8 @@
 Narrow collaborators (testable without Ray): `nodes()` the live nodes, `host_of()` their hosts,
 `keys(node)` the images a node holds, `fetch(dst, src, key)` one copy (the target's agent pulls
 it, checksummed), `emit(kind, **fields)` events. Copies run on their own thread, one at a time
-(each is an image's bytes over the network); a failed copy is not retried to that node for
+(each is an image's bytes over the network), never started while a relocation or a start is
+under way (`busy()`: they would take its CPU and network); a failed copy is not retried to that node for
 FAILED_BACKOFF_S.
 """
 
@@ -33,11 +34,12 @@ class WarmCopies:
     def __init__(self, nodes: Callable[[], list[str]], keys: Callable[[str], list[str]],
                  fetch: Callable[[str, str, str], dict], emit: Callable[..., Any],
                  host_of: Callable[[], dict[str, str]] = dict, cordoned: Callable[[], set[str]] = set,
+                 busy: Callable[[], bool] = lambda: False,
                  config: Callable[[], WarmConfig] = WarmConfig.load,
                  clock: Callable[[], float] = time.monotonic,
                  spawn: Callable[[Callable[[], None]], None] = _thread) -> None:
         self._nodes, self._keys, self._fetch, self._emit = nodes, keys, fetch, emit
-        self._host_of, self._cordoned = host_of, cordoned
+        self._host_of, self._cordoned, self._busy = host_of, cordoned, busy
         self._config, self._clock, self._spawn = config, clock, spawn
         self._next = 0.0
         self._running = threading.Event()
@@ -49,6 +51,9 @@ class WarmCopies:
         """One round when due: what each live node holds, the copies missing, started."""
         now = self._clock()
         if now < self._next or self._running.is_set():
+            return
+        if self._busy():  # a move or a start under way: a copy would take its CPU and network
+            self.last = {"why": "a relocation or a start is under way"}
             return
         cfg = self._config()
         self._next = now + cfg.prefetch.interval_s
