@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import os
 import re
+import threading
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import psutil
 
@@ -102,6 +105,29 @@ def set_nice(pids: list[int], nice: int) -> int:
             except OSError:
                 pass
     return n
+
+
+@contextmanager
+def this_thread_niced(nice: int | None = 19) -> Iterator[None]:
+    """Run the block with this thread at `nice` (background work that must not take the CPU
+    from what serves or moves), then put its old value back (threads of a pool are reused).
+    None: unchanged."""
+    if nice is None:
+        yield
+        return
+    tid = threading.get_native_id()
+    old = os.getpriority(os.PRIO_PROCESS, tid)
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError:
+        pass
+    try:
+        yield
+    finally:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, old)
+        except OSError:  # lowering a nice needs CAP_SYS_NICE: an unprivileged agent stays niced
+            pass
 
 
 def tree(pid: int | None) -> list[int]:

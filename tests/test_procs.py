@@ -131,3 +131,28 @@ def test_set_nice_reaches_every_thread_of_a_process():
     finally:
         p.kill()
         p.wait()
+
+
+def test_this_thread_niced_sets_and_restores_only_this_thread() -> None:
+    import os
+    import threading
+
+    from relocator.procs import this_thread_niced
+
+    main = threading.get_native_id()
+    before = os.getpriority(os.PRIO_PROCESS, main)
+    seen: dict[str, int] = {}
+
+    def worker() -> None:  # a pool thread: niced for the block, its old value back after
+        tid = threading.get_native_id()
+        with this_thread_niced(15):
+            seen["inside"] = os.getpriority(os.PRIO_PROCESS, tid)
+            seen["main"] = os.getpriority(os.PRIO_PROCESS, main)
+        seen["after"] = os.getpriority(os.PRIO_PROCESS, tid)
+        with this_thread_niced(None):
+            seen["none"] = os.getpriority(os.PRIO_PROCESS, tid)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen == {"inside": 15, "main": before, "after": before, "none": before}

@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Any, Iterator
 
+from relocator.procs import this_thread_niced
+
 log = logging.getLogger("relocator.agent")
 #: how long a start asks each peer whether it holds an image (a lost node must not stall it)
 PEER_ASK_S = 3.0
@@ -80,9 +82,10 @@ class WarmCopyOps:
 
         return [e.key for e in self.warm.store(WarmConfig.load()).list()]
 
-    def stream_warm(self, key: str, chunk_bytes: int = 16 << 20) -> Iterator[list]:
+    def stream_warm(self, key: str, chunk_bytes: int = 16 << 20, background: bool = True) -> Iterator[list]:
         """The chunks of this node's image of `key` (a Ray streaming generator), held in the
-        store while they are read so no eviction removes it meanwhile."""
+        store while they are read so no eviction removes it meanwhile; `background` (a copy
+        ahead of need): at nice 19, so a move or a worker on this node keeps the CPU."""
         from relocator.agent.transfer import iter_chunks
         from relocator.warm.config import WarmConfig
         from relocator.warm.start import NoWarmImage
@@ -90,12 +93,15 @@ class WarmCopyOps:
         with self.warm.store(WarmConfig.load()).use(key) as entry:
             if entry is None:
                 raise NoWarmImage(f"node {self.node} holds no warm image {key}")
-            yield from batched_arrays(iter_chunks(entry.path, chunk_bytes), chunk_bytes)
+            with this_thread_niced(19 if background else None):
+                yield from batched_arrays(iter_chunks(entry.path, chunk_bytes), chunk_bytes)
 
-    def fetch_warm(self, src_node: str, key: str, chunk_bytes: int = 16 << 20) -> dict[str, Any]:
+    def fetch_warm(self, src_node: str, key: str, chunk_bytes: int = 16 << 20,
+                   background: bool = True) -> dict[str, Any]:
         """Copy the image of `key` from `src_node`'s store into this node's: {copied, bytes,
         seconds, why}. Verified before it is filed (StoreFull, ImageError or TransferError
-        raise and leave nothing); one copy of a key at a time on this node."""
+        raise and leave nothing); one copy of a key at a time on this node. `background` (ahead
+        of need) runs both ends at nice 19; a start waiting for it (on demand) does not."""
         import ray
 
         from relocator.agent.names import NAMESPACE, agent_name
@@ -109,15 +115,16 @@ class WarmCopyOps:
             t0 = time.monotonic()
             src = ray.get_actor(agent_name(src_node), namespace=NAMESPACE)
             gen = src.stream_warm.options(num_returns="streaming", _generator_backpressure_num_objects=4).remote(
-                key, chunk_bytes)
+                key, chunk_bytes, background)
             staged = store.staging(key)
-            try:
-                staged.rmdir()  # receive_chunks makes it, and removes it on any failure
-                got = receive_chunks(pulled_chunks(gen), staged)
-            except BaseException:
-                store.discard(staged)
-                raise
-            entry = store.commit(key, staged)
+            with this_thread_niced(19 if background else None):  # hashing 1 GB is CPU
+                try:
+                    staged.rmdir()  # receive_chunks makes it, and removes it on any failure
+                    got = receive_chunks(pulled_chunks(gen), staged)
+                except BaseException:
+                    store.discard(staged)
+                    raise
+                entry = store.commit(key, staged)
         secs = time.monotonic() - t0
         log.info("warm image %s copied from %s: %d bytes in %.2fs", key, src_node, entry.bytes, secs)
         return {"copied": True, "key": key, "from": src_node, "bytes": entry.bytes, "seconds": round(secs, 3),
@@ -135,7 +142,7 @@ class WarmCopyOps:
                 handle = ray.get_actor(agent_name(peer), namespace=NAMESPACE)
                 if key not in ray.get(handle.warm_keys.remote(), timeout=PEER_ASK_S):
                     continue
-                return self.fetch_warm(peer, key)
+                return self.fetch_warm(peer, key, background=False)
             except Exception as exc:  # noqa: BLE001 - that peer is gone or failed: ask the next
                 log.warning("warm image %s not fetched from %s: %s", key, peer, exc)
         return None
