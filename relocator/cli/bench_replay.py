@@ -13,7 +13,7 @@ import typer
 
 from relocator.cli import bench_app
 from relocator.cli.replay import MODE_LIST, _load_list, _mode_list, load_list_option, make_configs, print_results, run_configs
-from relocator.cli.replay_baselines import (BASELINE_KEYS, QUEUE_HELP, QUEUE_LIST, arrivals_option, print_baselines,
+from relocator.cli.replay_baselines import (BASELINE_KEYS, QUEUE_HELP, QUEUE_LIST, arrivals_option, pm, print_baselines,
                                             queue_list, with_best_baseline)
 from relocator.cli.replay_gpushare import GPUSHARE_KEYS, PACK_EVERY, print_gpushare, set_pack_every, with_frag_ratio
 from relocator.cli.simulate import POLICY_LIST, fail, load_inputs, parse_choices
@@ -76,12 +76,6 @@ def aggregate(results: list[dict]) -> list[dict]:
 def print_aggregate(results: list[dict], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
-
-    def pm(e: dict, k: str, fmt: str) -> str:
-        if e.get(k) is None:
-            return "-"
-        sd = e["spread"].get(k, {}).get("sd", 0.0)
-        return f"{format(e[k], fmt)} ± {format(sd, fmt)}" if len(e["seeds"]) > 1 else format(e[k], fmt)
 
     t = Table(title=title)
     cols = ("pods", "policy", "queue", "mode", "load", "seeds", "wait p50 >=4 GPU s", "wait p99 >=4 GPU s", "p99 cut", "alloc mean",

@@ -53,17 +53,19 @@ def with_best_baseline(runs: list[dict]) -> None:
             r["p50_vs_best_baseline"] = round(r["wait_s_p50"] / b["wait_s_p50"], 4)
 
 
+def pm(e: dict, k: str, fmt: str) -> str:
+    """An aggregate's mean of `k` and, over several seeds, its spread ("-" when absent)."""
+    if e.get(k) is None:
+        return "-"
+    sd = e["spread"].get(k, {}).get("sd", 0.0)
+    return f"{format(e[k], fmt)} ± {format(sd, fmt)}" if len(e["seeds"]) > 1 else format(e[k], fmt)
+
+
 def print_baselines(results: list[dict], title: str) -> None:
     """One row per pod list x policy x load x discipline x mode: the >= 4-GPU waits, the p99 over
     the best baseline's, moves per 100 arrivals (the issue's target: <= 0.5 at <= 1)."""
     from rich.console import Console
     from rich.table import Table
-
-    def pm(e: dict, k: str, fmt: str) -> str:
-        if e.get(k) is None:
-            return "-"
-        sd = e["spread"].get(k, {}).get("sd", 0.0)
-        return f"{format(e[k], fmt)} ± {format(sd, fmt)}" if len(e["seeds"]) > 1 else format(e[k], fmt)
 
     t = Table(title=title)
     cols = ("pods", "policy", "load", "queue", "mode", "seeds", "wait p50 >=4 GPU s", "wait p99 >=4 GPU s",

@@ -23,7 +23,8 @@ from typing import Sequence
 import numpy as np
 
 from relocator.choices import Choice
-from relocator.sim.stream import Job, ReplayError, Stream, _fill_times, _priority, build_stream, demand_class, scale_to_load
+from relocator.sim.stream import (Job, ReplayError, Stream, _fill_times, _priority, build_stream, check_stream_args,
+                                  demand_class, scale_to_load)
 from relocator.sim.trace import TracePod
 
 
@@ -44,10 +45,7 @@ def poisson_stream(
     times_from: Sequence[TracePod] | None = None,
 ) -> Stream:
     """The resampled arrival stream for one load and seed (see the module docstring)."""
-    if load <= 0:
-        raise ReplayError(f"load must be > 0, found {load}")
-    if passes < 1 or not 0 <= warmup_passes < passes:
-        raise ReplayError("need passes >= 1 and 0 <= warmup_passes < passes")
+    check_stream_args(load, passes, warmup_passes)
     rows = _fill_times(pods, times_from, seed)
     rows.sort(key=lambda r: r[0].workload.id)  # the seed alone decides the order
     n = len(rows)

@@ -206,6 +206,14 @@ def scale_to_load(base: np.ndarray, dur: np.ndarray, gpu: np.ndarray, m0: int, l
     return scale, offered(scale)
 
 
+def check_stream_args(load: float, passes: int, warmup_passes: int) -> None:
+    """What every arrival stream needs of its load and passes (ReplayError otherwise)."""
+    if load <= 0:
+        raise ReplayError(f"load must be > 0, found {load}")
+    if passes < 1 or not 0 <= warmup_passes < passes:
+        raise ReplayError("need passes >= 1 and 0 <= warmup_passes < passes")
+
+
 def build_stream(
     pods: Sequence[TracePod],
     load: float,
@@ -217,10 +225,7 @@ def build_stream(
     times_from: Sequence[TracePod] | None = None,
 ) -> Stream:
     """The arrival stream for one load (see the module docstring)."""
-    if load <= 0:
-        raise ReplayError(f"load must be > 0, found {load}")
-    if passes < 1 or not 0 <= warmup_passes < passes:
-        raise ReplayError("need passes >= 1 and 0 <= warmup_passes < passes")
+    check_stream_args(load, passes, warmup_passes)
     rows = _fill_times(pods, times_from, seed)
     rows.sort(key=lambda r: (r[1], r[0].workload.id))
     ct = np.array([r[1] for r in rows], dtype=np.float64)
