@@ -86,9 +86,7 @@ def pack_shares(cluster: Cluster, max_moves: int, exclude: Sequence[str] = ()) -
                 moves.extend(mv for mv, _ in trial.done[mark:])
                 tried.clear()  # room changed: a GPU that found none before may find some now
             else:
-                while len(trial.done) > mark:
-                    mv, before = trial.done.pop()
-                    cluster.move(mv.workload, before.node, before.gpus)
+                trial.undo(to=mark)
     finally:
         trial.undo()
     return Plan(tuple(moves))

@@ -441,9 +441,7 @@ def consolidate(
                 moves.extend(mv for mv, _ in trial.done[mark:])
                 freed.add(n)
             else:
-                while len(trial.done) > mark:
-                    mv, before = trial.done.pop()
-                    cluster.move(mv.workload, before.node, before.gpus)
+                trial.undo(to=mark)
     finally:
         trial.undo()
     return Plan(tuple(moves))

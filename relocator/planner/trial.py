@@ -18,7 +18,8 @@ class Trial:
         self.done.append((mv, before))
         return mv
 
-    def undo(self) -> None:
-        while self.done:
+    def undo(self, to: int = 0) -> None:
+        """Undo the moves made after the first `to` (all of them by default)."""
+        while len(self.done) > to:
             mv, before = self.done.pop()
             self.cluster.move(mv.workload, before.node, before.gpus)
