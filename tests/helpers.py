@@ -64,3 +64,9 @@ def other_node(ctl, worker_id: str) -> str:
     """An alive node other than the worker's with a GPU free (a move's target)."""
     node = node_of(ctl, worker_id)
     return next(n["id"] for n in ctl.status()["nodes"] if n["id"] != node and n["alive"] and n["gpus_free"] >= 1)
+
+
+def why_not_done(rel: dict) -> str:
+    """A relocation record's outcome in one line (pytest cuts a dict's repr before `error`)."""
+    return (f"{rel.get('result')} at {rel.get('phase')} ({rel.get('reason')}): {rel.get('error')}; "
+            f"mode {rel.get('transfer')}; rollback {rel.get('rollback')}; phases {rel.get('phases')}")

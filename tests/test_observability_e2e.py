@@ -23,6 +23,7 @@ import requests
 
 from relocator.cluster.scenario import relocate_under_load
 from relocator.ports import free_port
+from tests.helpers import why_not_done
 
 pytestmark = pytest.mark.integration
 MODEL = "tiny-llama"
@@ -116,7 +117,7 @@ def test_live_move_in_prometheus_and_events(relocator_cluster, prometheus) -> No
         time.sleep(0.5)
         res = relocate_under_load(ctl, w["id"], None, MODEL, concurrency=4, max_tokens=96, warmup_s=1.5)
         rel, load = res["relocation"], res["load"]
-        assert rel["result"] == "done", rel
+        assert rel["result"] == "done", why_not_done(rel)
         assert load["client_errors"] == 0 and load["tokens_lost"] == 0, load
         rels = [ctl.get_relocation(r["id"]) for r in ctl.status()["relocations"]]
         finished = [r for r in rels if r["result"] != "running"]

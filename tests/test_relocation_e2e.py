@@ -15,6 +15,7 @@ import pytest
 
 from relocator.cluster.scenario import relocate_under_load
 from relocator.cluster.streams import PROMPTS, Reference, compare_ids, reference, stream_once
+from tests.helpers import why_not_done
 
 pytestmark = pytest.mark.integration
 MODEL = "tiny-llama"
@@ -96,7 +97,7 @@ def test_relocate_under_eight_streams(relocator_cluster, w1, ref) -> None:
     assert_gpu_ids_from_ray(ctl.status())
     res = relocate_under_load(ctl, w1, "n2", MODEL, concurrency=8, max_tokens=MAX_TOKENS, ref=ref)
     rel, load = res["relocation"], res["load"]
-    assert rel["result"] == "done", rel
+    assert rel["result"] == "done", why_not_done(rel)
     assert list(rel["phases"]) == ["PLAN", "RESERVE", "HOLD", "DUMP", "TRANSFER", "RESTORE", "SWITCH", "RELEASE"]
     assert load["client_errors"] == 0, load["errors"]
     assert (load["tokens_lost"], load["tokens_duplicated"], load["tokens_mismatched"]) == (0, 0, 0)
