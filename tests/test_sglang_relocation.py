@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from adapters.sglang.adapter import installed
-from tests.helpers import why_not_done
+from tests.helpers import clean, why_not_done
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not installed(), reason="SGLang is not installed here "
@@ -26,10 +26,7 @@ def test_sglang_worker_moves_under_load(relocator_cluster, tiny_model_dir) -> No
         for attempt in (1, 2):
             res = relocate_under_load(ctl, w["id"], None, w["model"], concurrency=4, max_tokens=128)
             rel, load = res["relocation"], res["load"]
-            # whatever the move's outcome, no client may see it: a rollback must lose nothing
-            assert load["client_errors"] == 0, load["errors"]
-            assert (load["tokens_lost"], load["tokens_duplicated"], load["tokens_mismatched"]) == (0, 0, 0)
-            assert load["text_mismatched"] == 0, load["text_bad"]
+            clean(load)  # whatever the move's outcome, no client may see it: a rollback loses nothing
             assert all(c["verified"] == c["requests"] for c in load["clients"])
             if rel["result"] == "done":
                 break
@@ -45,10 +42,8 @@ def test_sglang_worker_moves_under_load(relocator_cluster, tiny_model_dir) -> No
         res = relocate_under_load(ctl, w["id"], None, w["model"], concurrency=4, max_tokens=128,
                                   faults={"restore": True}, warmup_s=1.0)
         rel, load = res["relocation"], res["load"]
-        assert rel["result"] == "rolled_back" and rel["error"].startswith("RESTORE"), rel
-        assert load["client_errors"] == 0, load["errors"]
-        assert (load["tokens_lost"], load["tokens_duplicated"], load["tokens_mismatched"]) == (0, 0, 0)
-        assert load["text_mismatched"] == 0, load["text_bad"]
+        assert rel["result"] == "rolled_back" and rel["error"].startswith("RESTORE"), why_not_done(rel)
+        clean(load)
         after = next(x for x in ctl.status()["workers"] if x["id"] == w["id"])
         assert (after["node"], after["cell"], after["state"]) == (moved["node"], moved["cell"], "running")
     finally:
