@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import os
 import random
 import re
 import socket
@@ -45,19 +46,17 @@ def loopback_target(url: str) -> tuple[str, int]:
 
 
 def listener_pid(port: int, host: str | None = "127.0.0.1") -> int | None:
-    """PID of the process holding a listening TCP socket on `host`:`port` (psutil).
+    """PID of the process holding a listening TCP socket on `host`:`port`.
 
     The address matters: a port the kernel handed out on 127.0.0.1 may also be listened on by
     an unrelated process on another loopback address or on ::1 (a CI run found one). A
-    wildcard listener (0.0.0.0, ::) counts for any host; `host=None` matches every address."""
-    try:
-        conns = psutil.net_connections(kind="tcp")
-    except (psutil.Error, OSError):
-        return None
+    wildcard listener (0.0.0.0, ::) counts for any host; `host=None` matches every address.
+    Read from /proc, not psutil.net_connections: that names one process per socket (the last
+    pid it scans), so with a socket shared by parent and child it named the parent once pids
+    had wrapped around (a CI run)."""
     addrs = None if host is None else {host, "0.0.0.0", "::"}
-    holders = sorted({c.pid for c in conns if c.status == psutil.CONN_LISTEN and c.laddr
-                      and c.laddr.port == port and c.pid is not None
-                      and (addrs is None or c.laddr.ip in addrs)})
+    inodes = _listening_inodes(port, addrs)
+    holders = sorted({pid for pid, inode in _socket_holders() if inode in inodes})
     if len(holders) > 1:
         # an inherited socket (the cluster daemon owns the router's listener and passes it to
         # the router child, which may pass it on to a child of its own): the server is the
@@ -66,6 +65,47 @@ def listener_pid(port: int, host: str | None = "127.0.0.1") -> int | None:
         servers = [h for h in holders if _ppid(h) in held and _ppid(_ppid(h)) not in held]
         holders = servers or holders
     return holders[0] if holders else None
+
+
+def _listening_inodes(port: int, addrs: set[str] | None) -> set[str]:
+    """Socket inodes of TCP listeners on `port` (at one of `addrs`, or any), from /proc/net."""
+    found: set[str] = set()
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            local, state, inode = f[1], f[3], f[9]
+            hex_ip, hex_port = local.split(":")
+            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                continue
+            if addrs is None or _proc_net_ip(hex_ip, family) in addrs:
+                found.add(inode)
+    return found
+
+
+def _proc_net_ip(hex_ip: str, family: int) -> str:
+    """/proc/net/tcp* print addresses as host-order 32-bit words in hex."""
+    raw = b"".join(struct.pack("<I", int(hex_ip[i:i + 8], 16)) for i in range(0, len(hex_ip), 8))
+    return str(ipaddress.ip_address(raw)) if family == socket.AF_INET6 else socket.inet_ntoa(raw)
+
+
+def _socket_holders():
+    """(pid, socket inode) for every socket file descriptor of every process we can read."""
+    for pid in psutil.pids():
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                yield pid, link[8:-1]
 
 
 def _ppid(pid: int | None) -> int | None:

@@ -52,6 +52,33 @@ async def test_loopback_only_and_proc_facts():
     assert proc_stats(2 ** 22 + 12345) is None
 
 
+@pytest.mark.parametrize("scan_order", [sorted, lambda pids: sorted(pids, reverse=True)])
+async def test_listener_pid_names_the_child_of_a_shared_socket_whatever_the_pid_order(monkeypatch, scan_order):
+    """Parent and child hold one listening socket (the router daemon's case): the child is the
+    server, also when its pid is below its parent's (pids wrap around; a CI run met it)."""
+    import socket
+    import subprocess
+    import sys
+
+    import loadtests.abuse as abuse
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    port = s.getsockname()[1]
+    assert listener_pid(port) == os.getpid()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], pass_fds=(s.fileno(),))
+    try:
+        real_pids = abuse.psutil.pids
+        monkeypatch.setattr(abuse.psutil, "pids", lambda: scan_order(real_pids()))
+        assert listener_pid(port) == child.pid
+        assert listener_pid(port, "10.1.2.3") is None  # not listened on at that address
+    finally:
+        child.kill()
+        child.wait()
+        s.close()
+
+
 async def test_abuse_pass(router_proc):
     proc, api, ctl = router_proc
     assert listener_pid(int(api.rsplit(":", 1)[1])) == proc.p.pid
