@@ -9,7 +9,7 @@
 # is a process of its own anyway: it runs from .venv-gateway and imports the plugin (and the
 # router core it reuses) from this checkout, put on its path by a .pth file.
 #
-# What gets installed is the exact set in requirements-gateway.lock (scripts/lock-gateway.sh
+# What gets installed is the exact set in requirements-gateway.lock (`scripts/lock.sh gateway`
 # rewrites it): litellm[proxy]==1.108.5 and relocator's own runtime dependencies.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)

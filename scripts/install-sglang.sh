@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# Install SGLang (CPU) into its own virtual environment, .venv-sglang, for the SGLang adapter
-# (adapters/sglang). Idempotent: a second run only checks. Usage: scripts/install-sglang.sh
+# Install SGLang into its own virtual environment, .venv-sglang, for the SGLang adapter
+# (adapters/sglang). Idempotent: a second run only checks. Usage: scripts/install-sglang.sh [cpu|cuda]
+# (default cpu; scripts/install.sh passes cuda on a machine with an NVIDIA driver): cpu installs
+# requirements-sglang.lock (below), cuda requirements-sglang-cuda.lock, SGLang's CUDA build with
+# every requirement of its wheel (torch 2.14.1 with CUDA, sglang-kernel, flashinfer,
+# torch_memory_saver); `bash scripts/lock.sh sglang|sglang-cuda` rewrites them.
 #
 # Why a venv of its own, apart from vLLM's .venv: the two engines pin conflicting versions of
 # shared packages (sglang 0.5.23: openai==2.8.0, tokenizers==0.23.2, torch==2.14.1 (CUDA);
@@ -8,9 +12,9 @@
 # relocator package itself runs from .venv; the SGLang server process runs from .venv-sglang
 # (adapters/sglang/adapter.py launches it with that interpreter, inside a cell if asked).
 #
-# What gets installed is the exact set in requirements-sglang.lock (scripts/lock-sglang.sh
+# What gets installed is the exact set in requirements-sglang.lock (`scripts/lock.sh sglang`
 # rewrites it): torch 2.13.0 CPU build (on local disk), sglang 0.5.23 with --no-deps, and
-# sglang's requirements minus the CUDA family (see lock-sglang.sh). Not installed, on purpose:
+# sglang's requirements minus the CUDA family (see scripts/lock.sh). Not installed, on purpose:
 #  - torchvision is installed (sglang's model configs import it at module level) but PyPI's
 #    0.28.0 is a CUDA build whose ops library does not load next to the CPU torch, and then its
 #    import fails ("operator torchvision::nms does not exist"): a small, idempotent patch below
@@ -22,10 +26,22 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 log() { printf '[install-sglang] %s\n' "$*" >&2; }
+DEVICE=${1:-cpu}
+case "$DEVICE" in
+  cpu) LOCK="$ROOT/requirements-sglang.lock"; TAG="" ;;
+  cuda) LOCK="$ROOT/requirements-sglang-cuda.lock"; TAG="cuda-" ;;
+  *) echo "install-sglang: the device must be cpu or cuda (got '$DEVICE')" >&2; exit 2 ;;
+esac
 VENV="$ROOT/.venv-sglang"
-LOCK="$ROOT/requirements-sglang.lock"
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
+STAMP="$VENV/.relocator-deps"
+stamp_tag() { [[ "$(cat "$STAMP")" == cuda-* ]] && echo cuda- || echo ""; }
+if [ -f "$STAMP" ] && [ "$(stamp_tag)" != "$TAG" ]; then
+  # the other device's venv: torch 2.13.0+cpu and the stand-in kernel, or the CUDA set
+  log "replacing the $([ "$DEVICE" = cuda ] && echo CPU || echo CUDA) .venv-sglang with a $DEVICE one"
+  rm -rf "$VENV"
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating .venv-sglang with $($PY --version)"
   "$PY" -m venv "$VENV"
@@ -33,19 +49,36 @@ fi
 VPY="$VENV/bin/python"
 # pip warns once per package that a local index on this machine has no folder for it: noise.
 pipq() { "$VPY" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
-STAMP="$VENV/.relocator-deps"
-HASH=$(sha256sum "$LOCK" scripts/install-sglang.sh | sha256sum | cut -c1-16)
+HASH=$TAG$(sha256sum "$LOCK" scripts/install-sglang.sh | sha256sum | cut -c1-16)
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$HASH" ]; then
   start=$(date +%s)
-  log "installing sglang and its dependencies from requirements-sglang.lock - a few minutes on a fresh machine"
+  if [ "$DEVICE" = cuda ]; then
+    have=$("$VPY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+    [ "$have" = 3.11 ] || { echo "install-sglang: requirements-sglang-cuda.lock is resolved for CPython 3.11; .venv-sglang has $have (PYTHON=python3.11, after removing .venv-sglang)" >&2; exit 2; }
+  fi
+  log "installing sglang and its dependencies from $(basename "$LOCK") - a few minutes on a fresh machine"
   pipq install -q "$(grep -E '^pip==' "$LOCK")"
   # The exact set, nothing resolved here (sglang's own metadata asks for CUDA packages, so a
   # resolving install would fail or pull them in).
-  pipq install -q --no-deps -r "$LOCK"
+  if [ "$DEVICE" = cuda ]; then  # find-links off: they hold local CPU builds (torch +cpu)
+    PIP_FIND_LINKS="" pipq install -q --no-deps -r "$LOCK"
+  else
+    pipq install -q --no-deps -r "$LOCK"
+  fi
   echo "$HASH" > "$STAMP"
   log "installed in $(( $(date +%s) - start )) s"
 else
   log "sglang dependencies up to date"
+fi
+if [ "$DEVICE" = cuda ]; then
+  # the real kernels, no stand-in, no CPU engine (adapters/sglang picks cuda from this stamp)
+  "$VPY" -W ignore -c '
+import sglang, sgl_kernel, torch, torch_memory_saver  # noqa: F401
+import sys
+torch.cuda.is_available() or sys.exit("install-sglang: torch from requirements-sglang-cuda.lock sees no CUDA device (driver too old for its CUDA?)")
+print("[install-sglang] sglang", sglang.__version__, "torch", torch.__version__, "(CUDA)")
+' >&2
+  exit 0
 fi
 # torchvision guard (idempotent): `@torch.library.register_fake("torchvision::nms")` (and qnms)
 # only when torchvision's ops library loaded, like its register_meta() helper above them.

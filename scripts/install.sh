@@ -3,8 +3,9 @@
 # and a virtual environment at .venv with vLLM (CPU), Ray and the project. Idempotent: a second
 # run only checks. Usage: scripts/install.sh
 # On a machine with an NVIDIA driver (nvidia-smi lists a GPU, or /proc/driver/nvidia/version
-# exists) .venv gets vLLM's CUDA build and its torch from requirements-cuda.lock instead
-# (scripts/lock-cuda.sh); RELOCATOR_INSTALL_DEVICE=cpu|cuda overrides the detection.
+# exists) .venv gets vLLM's CUDA build and its torch from requirements-cuda.lock instead, and
+# .venv-sglang SGLang's CUDA build from requirements-sglang-cuda.lock (`scripts/lock.sh cuda`,
+# `scripts/lock.sh sglang-cuda`); RELOCATOR_INSTALL_DEVICE=cpu|cuda overrides the detection.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -66,9 +67,8 @@ if [ "$DEVICE" = cuda ]; then
   else
     log "Python dependencies (CUDA) up to date"
   fi
-  # SGLang's lock is its CPU build (torch +cpu from this project's CPU machines): not installed
-  # here; a CUDA lock for it is still to do (docs/gpu.md)
-  log "SGLang (.venv-sglang) skipped on the CUDA install: requirements-sglang.lock is the CPU build"
+  # SGLang's CUDA build in its own venv (.venv-sglang: its torch 2.14.1 is not vLLM's 2.13.0)
+  bash "$ROOT/scripts/install-sglang.sh" cuda
   bash "$ROOT/scripts/install-gateway.sh"
   "$VPY" -m relocator preflight
   exit 0
