@@ -158,7 +158,7 @@ def transfer_checks(image_store: Path | None = None) -> list[Check]:
     from relocator.snapshot.fingerprint import gpu_info
 
     gpus = gpu_info().count > 0  # cuda restore reads every page inside RESTORE: post-copy gains nothing
-    pick = "shared (when both nodes see the image store), else " + (
+    pick = "handoff where the target starts warm, else shared (when both nodes see the image store), else " + (
         "stream (never postcopy on a node with NVIDIA GPUs)" if gpus else "postcopy" if postcopy else "stream")
     return [
         Check(name="transfer shared", ok=True, warning=True,
@@ -179,15 +179,15 @@ def transfer_checks(image_store: Path | None = None) -> list[Check]:
                                       "the whole dump (stream) or only for the non-memory state (postcopy)"),
         Check(name="transfer auto picks", ok=True, warning=True, detail=pick),
         Check(name="transfer handoff (make-before-break)", ok=True, warning=True,
-              detail="on request (transfer: handoff; needs room for a second copy on the target); auto does "
-                     "not pick it: " + _handoff_why()),
+              detail="on request (transfer: handoff; needs room for a second copy on the target); "
+                     + _handoff_why()),
     ]
 
 
 def _handoff_why() -> str:
-    from relocator.controller.transfers.handoff import AUTO_WHY
+    from relocator.controller.transfers.handoff import AUTO_RULE
 
-    return AUTO_WHY
+    return AUTO_RULE
 
 
 # -- GPU section: only where an NVIDIA driver answers (docs/gpu.md, "Preflight") -------------

@@ -74,10 +74,71 @@ def _run(store, be, **kw) -> Relocation:
     return Machine(store, be).run(Relocation(id="r1", worker="w1", src="n1", dst="n2", transfer="handoff", **kw))
 
 
-def test_registered_but_never_chosen_by_auto() -> None:
+def test_auto_tries_a_handoff_first() -> None:
     assert TransferMode.HANDOFF in STRATEGIES
-    assert TransferMode.HANDOFF not in [s.mode for s in AUTO_ORDER]
+    assert AUTO_ORDER[0].mode is TransferMode.HANDOFF  # taken only where the target starts warm
     assert not STRATEGIES[TransferMode.HANDOFF].freezes_source
+
+
+class AutoBackend(HandoffBackend):
+    """The handoff fake whose controller says whether the target would start warm (`warm`:
+    {warm, why} as relocator.controller.warmwhere answers, or an exception), and whether the
+    nodes share an image store (auto's next choice)."""
+
+    def __init__(self, warm) -> None:
+        super().__init__()
+        self.warm = warm
+
+    def warm_image(self, worker, node):
+        self._call("warm_image", worker.id, node)
+        if isinstance(self.warm, Exception):
+            raise self.warm
+        return self.warm
+
+    def shared_storage(self, src, dst):
+        return True
+
+
+@pytest.mark.parametrize("warm", [
+    {"warm": "here", "why": "n2 holds a warm image of its kind (k1)"},
+    {"warm": "near", "from": "n3", "why": "n3, on n2's host, holds a warm image of its kind (k1): copied at the start"},
+])
+def test_auto_picks_a_handoff_where_the_target_starts_warm(env, warm) -> None:
+    store, _ = env
+    be = AutoBackend(warm)
+    rel = Machine(store, be).run(Relocation(id="r1", worker="w1", src="n1", dst="n2", transfer="auto"))
+    assert (rel.result, rel.transfer) == (DONE, TransferMode.HANDOFF), (rel.result, rel.transfer, rel.error)
+    plan = rel.phases[0]["info"]
+    assert plan["requested"] == "auto" and plan["transfer"] == "handoff", plan
+    assert plan["why"].startswith("handoff (make-before-break): " + warm["why"]), plan
+    assert rel.summary()["transfer_why"] == plan["why"]  # status and `relocator relocate` show it
+    names = [c[0] for c in be.calls]
+    assert "hold" not in names and "dump" not in names and ("warm_image", "w1", "n2") in be.calls
+
+
+@pytest.mark.parametrize("warm, why", [
+    ({"warm": "", "why": "no warm image of its kind (k1) on n2 or its host"},
+     "no handoff: no warm image of its kind (k1) on n2 or its host"),
+    (TimeoutError("agent of n2: warm_keys did not answer"),
+     "no handoff: where warm images are is not known (TimeoutError: agent of n2: warm_keys did not answer)"),
+])
+def test_auto_keeps_the_freezing_choice_where_the_target_would_start_cold(env, warm, why) -> None:
+    store, _ = env
+    be = AutoBackend(warm)
+    rel = Machine(store, be).run(Relocation(id="r1", worker="w1", src="n1", dst="n2", transfer="auto"))
+    assert (rel.result, rel.transfer) == (DONE, TransferMode.SHARED), (rel.result, rel.transfer, rel.error)
+    assert rel.summary()["transfer_why"] == f"{why}; n2 sees n1's image store", rel.summary()
+    assert "start_copy" not in [c[0] for c in be.calls]
+
+
+def test_auto_never_hands_off_a_worker_without_a_launch_record(tmp_path) -> None:
+    store = Store(tmp_path / "c.db")
+    store.save_worker(WorkerRecord(id="w1", model="m", node="n1", gpus=2, cell_id="c1", endpoint="http://a",
+                                   state="running", reservation="pg-w1"))  # no model_dir: nothing to start
+    be = AutoBackend({"warm": "here", "why": "n2 holds a warm image of its kind (k1)"})
+    rel = Machine(store, be).run(Relocation(id="r1", worker="w1", src="n1", dst="n2", transfer="auto"))
+    assert rel.transfer == TransferMode.SHARED and "no handoff: no launch record" in rel.summary()["transfer_why"]
+    assert "warm_image" not in [c[0] for c in be.calls]
 
 
 def test_handoff_moves_without_freezing_the_source(env) -> None:

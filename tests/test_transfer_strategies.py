@@ -1,5 +1,5 @@
 """The transfer-mode registry and strategies against a fake backend: `auto` resolved in order
-(shared, postcopy, stream) with its reasons, an explicit mode checked, every phase handled."""
+(handoff where the target starts warm, shared, postcopy, stream) with its reasons, an explicit mode checked, every phase handled."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import pytest
 
 from relocator.controller import transfers
 from relocator.controller.errors import PlanError
-from relocator.controller.transfers.handoff import AUTO_WHY
 from relocator.controller.machine import Machine
 from relocator.controller.model import Phase, WorkerRecord
 from relocator.vocab import TransferMode
@@ -42,8 +41,9 @@ W = WorkerRecord(id="w1", model="m", node="n1", gpus=1, cell_id="c1")
 ])
 def test_auto_takes_the_first_possible_mode(shared, info, mode, why) -> None:
     chosen, reason = transfers.choose(Nodes(shared, info), W, "n2", "auto")
-    # and why the mode auto never tries was not tried (docs/handoff.md, "What auto does")
-    assert (chosen.mode, reason) == (mode, f"{why}; handoff only on request: {AUTO_WHY}")
+    # a handoff is tried first and not taken (W has no launch record: docs/handoff.md, "What auto does")
+    no_handoff = "no handoff: no launch record (model_dir) to start a second copy from"
+    assert (chosen.mode, reason) == (mode, f"{no_handoff}; {why}")
 
 
 @pytest.mark.parametrize("gpu_node", ["n1", "n2"])

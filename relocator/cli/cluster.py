@@ -36,6 +36,9 @@ def phases_table(rel: dict, title: str | None = None) -> Table:
     t.add_column("seconds", justify="right")
     for name, secs in rel["phases"].items():
         t.add_row(name, f"{secs:.3f}")
+    if rel.get("transfer"):  # `auto`: which mode PLAN chose and why
+        why = rel.get("transfer_why") or ""
+        t.caption = f"transfer {rel['transfer']}" + (f": {why}" if why else "")
     return t
 
 
@@ -117,10 +120,11 @@ def status_cmd(cluster_dir: Optional[str] = CLUSTER_DIR, json_out: bool = JSON) 
         console.print(t)
     if st["relocations"]:
         t = Table(title="relocations")
-        for c in ("id", "worker", "from", "to", "phase", "result"):
+        for c in ("id", "worker", "from", "to", "transfer", "phase", "result"):
             t.add_column(c)
         for r in st["relocations"]:
-            t.add_row(r["id"], r["worker"], r["from"], str(r["to"]), str(r["phase"]), r["result"])
+            t.add_row(r["id"], r["worker"], r["from"], str(r["to"]), str(r.get("transfer", "")), str(r["phase"]),
+                      r["result"])
         console.print(t)
 
 

@@ -37,11 +37,16 @@ class BackendPorts:
     router: Callable[[], Any]  # the router's control client
     worker: Callable[[str], WorkerRecord | None]  # a worker record by id
     setting: Callable[[str], Any]  # a cluster setting (transient_images, node_names)
+    #: warm_image(worker id, node) -> whether a start of the worker's kind there is warm
+    #: (controller/warmwhere.py: {warm: here|near|"", why}); `auto`'s handoff choice
+    warm_image: Callable[[str, str], dict[str, Any]] = lambda worker_id, node: {}
+
 
     @classmethod
     def of(cls, ctl: Any) -> "BackendPorts":
         """The ports of a controller (its inventory, node_dir, place, router, store, config)."""
-        return cls(ctl.inventory, ctl.node_dir, ctl.place, ctl.router, ctl.store.worker, ctl.config.get)
+        return cls(ctl.inventory, ctl.node_dir, ctl.place, ctl.router, ctl.store.worker, ctl.config.get,
+                   getattr(ctl, "warm_image_for", lambda worker_id, node: {}))
 
 
 class AgentClient:

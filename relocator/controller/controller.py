@@ -46,7 +46,8 @@ class Controller:
         self.started_at = time.time()
         self._setup(ControllerConfig.of(config))
         self.event_log = EventLog(self.store, self.base_dir / "events.jsonl")
-        ports = BackendPorts(self.inventory, self.node_dir, self.place, self.router, self.store.worker, self.config.get)
+        ports = BackendPorts(self.inventory, self.node_dir, self.place, self.router, self.store.worker, self.config.get,
+                             self.warm_image_for)
         self._wire(RayBackend(ports), lambda kind, **fields: self.event_log.emit(kind, fields))
         self.metrics = self._serve_metrics()
         self.api = self._serve_api()
@@ -126,6 +127,20 @@ class Controller:
             host_of=lambda: ray_hosts(live()), cordoned=self.cordoned,
             busy=lambda: bool(self.claims.placing or self.store.open_relocations()))
         self.workers.image_holders = self.warm_copies.holders_of
+
+    def warm_image_for(self, worker_id: str, node: str) -> dict[str, Any]:
+        """Whether a start of `worker_id`'s kind on `node` would be warm (controller/warmwhere.py):
+        what `auto` picks a handoff on (relocator.controller.transfers.handoff)."""
+        from relocator.controller.inventory import ray_hosts
+        from relocator.controller.warmwhere import warm_start
+        from relocator.warm.config import WarmConfig
+
+        agents = getattr(self.backend, "agents", None)
+        if agents is None:  # a fake backend (without_ray)
+            return {"warm": "", "why": "no node agents to ask"}
+        live = {n.id: n.ray_node_id for n in self.nodes.inventory().values() if n.alive}
+        return warm_start(self.workers.kinds.get(worker_id), node, agents.warm_keys, self.warm_copies.holders,
+                          lambda: ray_hosts(live), WarmConfig.load())
 
     def _wire_why(self) -> None:
         """`why` (relocator/controller/explain.py): its inputs, and the launch refusal of a

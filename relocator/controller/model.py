@@ -275,6 +275,11 @@ class Relocation:
     def from_dict(cls, d: dict[str, Any]) -> "Relocation":
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
+    def transfer_why(self) -> str:
+        """Why PLAN chose the mode it did when `auto` was asked for ("" for an explicit mode)."""
+        plan = next((p for p in self.phases if p.get("name") == Phase.PLAN), None)
+        return str(((plan or {}).get("info") or {}).get("why") or "")
+
     def phase_seconds(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for p in self.phases:
@@ -286,8 +291,8 @@ class Relocation:
         return {"id": self.id, "worker": self.worker, "from": self.src, "to": self.dst,
                 "phase": self.phase, "result": self.result, "error": self.error,
                 "phases": self.phase_seconds(), "image_bytes": self.image_bytes,
-                "transfer": self.transfer, "engine": self.engine, "reason": self.reason,
-                "postcopy": self.postcopy,
+                "transfer": self.transfer, "transfer_why": self.transfer_why(), "engine": self.engine,
+                "reason": self.reason, "postcopy": self.postcopy,
                 "rollback": self.rollback, "recovered": self.recovered,
                 "created_at": self.created_at, "finished_at": self.finished_at}
 

@@ -39,9 +39,9 @@ def strategy(mode: TransferMode | str) -> TransferStrategy:
 
 def choose(backend: Any, worker: WorkerRecord, dst: str, requested: TransferMode | str) -> tuple[TransferStrategy, str]:
     """The strategy for a move of `worker` to `dst` and why: `auto` takes the first mode of
-    AUTO_ORDER that is possible (shared when both see the image store, postcopy when both nodes'
-    kernels and CRIU allow it, else stream); an explicit mode that cannot run is refused
-    (PlanError) before anything moves."""
+    AUTO_ORDER that is possible (handoff where the target starts warm, shared when both see the
+    image store, postcopy when both nodes' kernels and CRIU allow it, else stream); an explicit
+    mode that cannot run is refused (PlanError) before anything moves."""
     requested = TransferMode(requested)
     if requested is not TransferMode.AUTO:
         chosen = strategy(requested)

@@ -33,11 +33,11 @@ MAX_ROUNDS = 6
 #: the router's own last rounds right before its cut (relocator.router.catchup): the tokens the
 #: source made since the last round here are prefilled by the router, not by 8 continuations at once
 CATCH_UP_ROUNDS = 4
-#: why `auto` does not pick a handoff (PLAN's reason, preflight; docs/handoff.md "What auto does")
-AUTO_WHY = ("it starts a second copy on the target while the source serves (a cold start where the "
-            "target has no warm image of the worker's kind: 34-69 s on the CPU reference, where a whole "
-            "freeze-and-copy move takes 5-20 s), and with a sibling replica the freezing modes' streams go "
-            "to the sibling at HOLD")
+#: when `auto` picks a handoff (PLAN's reason, preflight; docs/handoff.md "What auto does")
+AUTO_RULE = ("auto picks it when the target's store holds a warm image of the worker's kind, or a node on the "
+             "target's host does (copied at the start, locally): the target then starts in seconds while the "
+             "source serves; else the freezing modes (a cold second copy takes 34-69 s on the CPU reference, "
+             "where a whole freeze-and-copy move takes 5-20 s)")
 #: the source's nice value while the target copy starts and warms up next to it (where both share
 #: CPUs, the target's start took the source's decoding time: the longest client gap fell there)
 SOURCE_NICE = -10
@@ -57,6 +57,11 @@ class HandoffCalls:
     def prioritize(self, node: str, cell_id: str, nice: int) -> int:
         return self.agents.call(node, lambda a: a.prioritize.remote(cell_id, nice),  # type: ignore[attr-defined]
                                 "prioritize", timeout=30)
+
+    def warm_image(self, worker: "WorkerRecord", node: str) -> dict:
+        """Whether a start of `worker`'s kind on `node` would be warm (the controller's warm
+        copies: WarmCopies.where), for `auto`."""
+        return self.ports.warm_image(worker.id, node)  # type: ignore[attr-defined]
 
     def router_streams(self, worker_id: str) -> list[dict]:
         return self._router(worker_id, lambda rc: rc.streams(worker_id))  # type: ignore[attr-defined]
@@ -135,10 +140,25 @@ def on_source(backend: Any, rel: "Relocation") -> int:
 class HandoffTransfer(TransferStrategy):
     mode = TransferMode.HANDOFF
     freezes_source = False
-    # not ranked for `auto` (docs/handoff.md, "What auto does": the figures behind it)
-    auto_why = AUTO_WHY
+    # tried first by `auto`, taken only where the target starts warm (docs/handoff.md, "What auto does")
+    auto_rank = -1
     blackout_phases = ("SWITCH",)  # the source serves until the router switches
     calls = HandoffCalls
+
+    def available(self, backend: Any, worker: "WorkerRecord", dst: str) -> tuple[bool, str]:
+        if not worker.model_dir:
+            return False, "no handoff: no launch record (model_dir) to start a second copy from"
+        ask = getattr(backend, "warm_image", None)
+        if ask is None:
+            return False, "no handoff: where warm images are is not known here"
+        try:
+            got = ask(worker, dst) or {}
+        except Exception as exc:  # noqa: BLE001 - unknown: a freezing mode (always possible)
+            return False, f"no handoff: where warm images are is not known ({type(exc).__name__}: {exc})"
+        why = got.get("why") or "no warm image of its kind on the target"
+        if got.get("warm") in ("here", "near"):
+            return True, f"handoff (make-before-break): {why}; the second copy starts while the source serves"
+        return False, f"no handoff: {why}"
 
     def check(self, backend: Any, worker: "WorkerRecord", dst: str) -> None:
         if not worker.model_dir:
@@ -189,5 +209,5 @@ class HandoffTransfer(TransferStrategy):
         return out
 
 
-__all__ = ["AUTO_WHY", "CATCH_UP_ROUNDS", "GAP_TOKENS", "HandoffCalls", "HandoffTransfer", "MAX_ROUNDS", "SOURCE_NICE",
+__all__ = ["AUTO_RULE", "CATCH_UP_ROUNDS", "GAP_TOKENS", "HandoffCalls", "HandoffTransfer", "MAX_ROUNDS", "SOURCE_NICE",
            "WINDOW_S", "WarmUp", "favour", "warm_up"]
