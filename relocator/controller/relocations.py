@@ -17,7 +17,7 @@ from relocator.controller.claims import Claims
 from relocator.controller.events import EventKind
 from relocator.controller.inventory import NodeInfo
 from relocator.controller.machine import PhaseFault, check_faults
-from relocator.controller.model import DONE, FAILED, RUNNING, FailureReason, Relocation, TransferMode
+from relocator.controller.model import DONE, FAILED, RUNNING, DemandState, FailureReason, Relocation, TransferMode
 from relocator.controller.scheduling import MovePlan, NodeView, Seat
 from relocator.controller.states import HOLDING_STATES
 from relocator.controller.store import Store
@@ -143,7 +143,8 @@ class RelocationManager:
         t0 = time.monotonic()
         with self.claims.seating:
             nodes, seats = self.view()
-            plan = scheduling.consolidate(nodes, seats, max_moves=int(max_moves))
+            pending = [d.gpus for d in self.store.demands() if d.state == DemandState.PENDING]
+            plan = scheduling.consolidate(nodes, seats, max_moves=int(max_moves), demands=pending)  # FGD's target
             moves = plan["moves"]
             out = {"nodes_freed": plan["nodes_freed"], "moves": [m.to_dict() for m in moves],
                    "gpus_moved": shares.count(sum(m.gpus for m in moves)), "gpus_freed": plan["gpus_freed"]}

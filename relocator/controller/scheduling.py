@@ -8,7 +8,8 @@ relocation state machine, suspends and resumes through the agents and the router
   on one node (planner.defragment);
 - `preempt`: the fewest lower-priority workers to suspend so that it fits (when moves alone
   cannot seat it);
-- `consolidate`: moves that empty whole nodes onto nodes already in use (planner.consolidate).
+- `consolidate`: moves that empty whole nodes onto nodes already in use (planner.consolidate),
+  then GPUs of shares onto other GPUs of shares (planner.pack_shares), by FGD's score.
 """
 
 from __future__ import annotations
@@ -303,21 +304,30 @@ def _merged(steps: list[MovePlan]) -> list[MovePlan]:
     return [MovePlan(w, m.src, last[w].dst, m.gpus, m.bytes) for w, m in first.items() if last[w].dst != m.src]
 
 
-def consolidate(nodes: list[NodeView], seats: list[Seat], max_moves: int = 10) -> dict:
+def consolidate(nodes: list[NodeView], seats: list[Seat], max_moves: int = 10, demands: Iterable[float] = ()) -> dict:
     """Moves that pack the running workers onto the fewest nodes (planner.consolidate), then
     shares onto the fewest GPUs (planner.pack_shares) within the same budget, never onto a
-    cordoned node: {moves, nodes_freed, gpus_freed (whole GPUs that come free)}."""
+    cordoned node: {moves, nodes_freed, gpus_freed (whole GPUs that come free)}. Where workers
+    hold GPU shares, FGD's score picks the moves: the destination where fragmentation falls
+    most (planner.RayGpuFGD), against the running workers' and the pending `demands`' shapes
+    plus a whole GPU and a whole node (planner.target_shapes); else best fit, as before."""
     cluster = to_cluster(nodes, seats)
     before = planner.free_gpus(cluster)
-    plan = planner.consolidate(cluster, max_moves=max_moves, policy="best-fit")
+    demands = [float(g) for g in demands]
+    typical = planner.target_shapes(cluster, [_seat_workload(s) for s in seats if s.gpus > 0],
+                                    [demand_workload(g) for g in demands if g > 0])
+    sharing = any(shares.is_share(g) for g in [*(s.gpus for s in seats), *demands])
+    plan = planner.consolidate(cluster, max_moves=max_moves,
+                               policy=planner.RayGpuFGD(typical) if sharing else "best-fit")
     by = {s.worker: s for s in seats}
     shut = closed(nodes)
     steps = [m for m in _moves(plan, by) if m.dst not in shut]
     for mv in plan.moves:
         if mv.dst not in shut:
             cluster.move(mv.workload, mv.dst, mv.gpus)
-    if any(shares.is_share(s.gpus) for s in seats):
-        packed = planner.pack_shares(cluster, max_moves - len(steps), exclude=sorted(shut & set(cluster.node_ids)))
+    if sharing:
+        packed = planner.pack_shares(cluster, max_moves - len(steps), exclude=sorted(shut & set(cluster.node_ids)),
+                                     typical=typical)
         steps += _moves(packed, by)
         for m in packed.moves:
             cluster.move(m.workload, m.dst, m.gpus)

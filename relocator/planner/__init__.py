@@ -10,7 +10,8 @@ The controller calls::
     planner.plan_gain_milli(cluster, plan, workload, cpu_per_gpu, mem_per_gpu)  # GPU share a plan wins
     planner.evacuate(cluster, "n1")                         # Plan (drain a node)
     planner.consolidate(cluster, max_moves=10)              # Plan (free whole nodes)
-    planner.pack_shares(cluster, max_moves=6)               # Plan (free whole GPUs of shares)
+    planner.pack_shares(cluster, max_moves=6)               # Plan (free whole GPUs of shares, by FGD's score)
+    planner.consolidate(cluster, 10, policy=planner.RayGpuFGD(planner.target_shapes(cluster, ws)))  # FGD at Ray's GPUs
     planner.apply_plan(cluster, plan, workload)             # execute, each step checked
 """
 
@@ -35,6 +36,7 @@ from relocator.planner.planners import (
     usable_gpu_milli,
     victim_sets,
 )
+from relocator.planner.fall import RayGpuFGD, target_shapes
 from relocator.planner.packing import free_gpus, pack_shares
 from relocator.planner.policies import (
     BestFitPolicy,
@@ -64,6 +66,7 @@ __all__ = [
     "PlacementPolicy",
     "Plan",
     "PlannerError",
+    "RayGpuFGD",
     "Policy",
     "RandomPolicy",
     "TypicalPods",
@@ -83,6 +86,7 @@ __all__ = [
     "plan_gain_milli",
     "policy_names",
     "register_policy",
+    "target_shapes",
     "usable_gpu_milli",
     "victim_sets",
 ]

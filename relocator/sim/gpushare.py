@@ -17,9 +17,11 @@ allocation). **Nodes with all GPUs free**: nodes with GPUs none of which holds a
 **Packing** (``moves+pack``): every ``pack_every_s`` simulated seconds, within the same budget
 bucket as the moves that seat a blocked head (:mod:`relocator.sim.replay`),
 ``planner.pack_shares`` (the planner code the controller's ``consolidate`` uses for shares)
-empties partly used GPUs onto other nodes' partly used GPUs, best fit, so that whole GPUs come
-free; nodes held for a head's plan neither give nor receive. Its moves are flights like any
-other: each moved pod frozen for its blackout, source and destination both held until done.
+empties partly used GPUs onto other nodes' partly used GPUs, so that whole GPUs come free, picked
+by FGD's score against the trace's target shapes (the GPU whose emptying lowers fragmentation
+most, each share where it falls most; planner/fall.py); nodes held for a head's plan neither
+give nor receive. Its moves are flights like any other: each moved pod frozen for its blackout,
+source and destination both held until done.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def pack_tick(r: Any) -> None:
     if k <= 0:
         return
     held = [r.cluster.node_ids[i] for i in r.held]
-    plan = pack_shares(r.cluster, max_moves=k, exclude=held)
+    plan = pack_shares(r.cluster, max_moves=k, exclude=held, typical=r.typical)  # FGD's score, the measure reported
     moves = independent(plan.moves, busy=lambda wid: r.by_id[wid].busy, held=set(held))
     if moves:
         r._begin_moves(Plan(moves), None)
