@@ -139,8 +139,13 @@ class NodeAgent(ModeOps, WarmCopyOps):  # every transfer mode's ops, warm image 
         return write_notice(self.state_dir.parent, at, reason)
 
     def clear_gpu(self, index: int) -> None:
-        """GPU `index` was reset: forget its Xids."""
+        """GPU `index` was reset: forget its Xids (on fake GPUs, its marked faults too)."""
         self._health().clear(index)
+
+    def mark_gpus(self, total: int, kind: str, gpus: list[int], count: int, avoid: list[int]) -> list[int]:
+        """Fake GPUs only: GPUs `gpus`, or `count` of those not in `avoid`, read as `kind`
+        (relocator.agent.fakenvml.MARKS) from now on; the indexes marked."""
+        return self._health().mark(total, kind, gpus, count, avoid)
 
     def cells(self) -> list[dict[str, Any]]:
         from relocator.cell.cell import list_cells

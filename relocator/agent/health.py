@@ -117,8 +117,25 @@ class HealthReader:
         return gpus, kind
 
     def clear(self, index: int) -> None:
-        """A GPU was reset: its Xids are forgotten."""
+        """A GPU was reset: its Xids are forgotten (on the NVML stand-in, its faults too: the
+        file's entry goes, as a reset clears a pending remap)."""
         self.xids.pop(int(index), None)
+        fake = self.node_dir / FAKE_NVML_FILE
+        if fake.is_file():
+            from relocator.agent.fakenvml import reset
+
+            reset(fake, [int(index)])
+            if self._kind == "fake":
+                self._nvml.forget(int(index))
+
+    def mark(self, total: int, kind: str, gpus: list[int], count: int, avoid: list[int]) -> list[int]:
+        """GPUs marked bad on the NVML stand-in (relocator.agent.fakenvml.mark): for fake GPUs
+        only; ValueError on a node whose NVML is real (its facts are the driver's)."""
+        from relocator.agent.fakenvml import mark
+
+        if self._module()[1] == "real":
+            raise ValueError(f"{self.node} has real GPUs (NVML): their health is the driver's, not markable")
+        return mark(self.node_dir / FAKE_NVML_FILE, total, kind, gpus, count, avoid)
 
     # -- notices ------------------------------------------------------------------------------
     def notice(self) -> dict[str, Any] | None:

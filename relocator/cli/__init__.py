@@ -35,7 +35,7 @@ def _register() -> None:
     # Imported for their side effect of adding commands to `app` / `bench_app`.
     import importlib
 
-    for name in ("preflight", "model", "snapshot", "bench_snapshot", "demo", "simulate", "bench_sim", "replay", "bench_replay", "router", "cluster", "deploy", "load", "bench_relocation", "bench_splices", "bench_scheduling", "bench_fractional", "chaos", "gateway", "bench_gateway", "images", "policies", "bench_policies", "why"):
+    for name in ("preflight", "model", "snapshot", "bench_snapshot", "demo", "simulate", "bench_sim", "replay", "bench_replay", "router", "cluster", "deploy", "load", "bench_relocation", "bench_splices", "bench_scheduling", "bench_fractional", "chaos", "gateway", "bench_gateway", "images", "policies", "gpus", "bench_policies", "why"):
         try:
             importlib.import_module(f"relocator.cli.{name}")
         except ModuleNotFoundError as exc:

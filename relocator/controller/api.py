@@ -76,6 +76,16 @@ class ControllerClient:
         """`node` goes away at `at` (epoch; None: withdraw): the node-notice policies act on it."""
         return self._call("notice", node, at, reason, timeout=60)
 
+    def mark_gpus(self, node: str, kind: str, gpus: list[int] | None = None, count: int = 0) -> dict:
+        """Fake GPUs only: `gpus` (indexes) or `count` idle GPUs of `node` read as `kind` ("remap",
+        "xid79", ...: relocator.agent.fakenvml.MARKS), so the gpu-health path runs without hardware."""
+        return self._call("mark_gpus", node, kind, gpus, count, timeout=60)
+
+    def clear_gpus(self, node: str, gpus: list[int] | None = None) -> dict:
+        """GPUs of `node` were reset (None: all its unhealthy ones): their Xids are forgotten and
+        their holds released once they read healthy."""
+        return self._call("clear_gpus", node, gpus, timeout=60)
+
     def suspend(self, worker: str) -> dict:
         """Checkpoint `worker` to the image store and free its GPUs (traffic: sibling or held)."""
         return self._call("suspend", worker)

@@ -108,6 +108,10 @@ class AgentClient:
     def clear_gpu(self, node: str, index: int) -> None:
         self.call(node, lambda a: a.clear_gpu.remote(index), "clear_gpu", 30)
 
+    def mark_gpus(self, node: str, total: int, kind: str, gpus: list[int], count: int,
+                  avoid: list[int]) -> list[int]:
+        return self.call(node, lambda a: a.mark_gpus.remote(total, kind, gpus, count, avoid), "mark_gpus", 30)
+
     def cells(self, node: str, timeout: float = 60) -> list[dict]:
         return self.call(node, lambda a: a.cells.remote(), "cells", timeout)
 

@@ -339,6 +339,20 @@ class Controller:
             raise ValueError(f"unknown node {node!r}")
         return {"node": node, "notice": self.backend.agents.set_notice(node, at, reason)}
 
+    def mark_gpus(self, node: str, kind: str, gpus: list[int] | None = None, count: int = 0) -> dict:
+        """Fake GPUs: `gpus` (indexes) or `count` idle GPUs of `node` read as `kind` (a pending
+        remap, an Xid: relocator.agent.fakenvml.MARKS) from now on (controller/gpuops.py)."""
+        from relocator.controller.gpuops import mark_gpus
+
+        return mark_gpus(self, node, kind, gpus, count)
+
+    def clear_gpus(self, node: str, gpus: list[int] | None = None) -> dict:
+        """GPUs of `node` reset (None: all its unhealthy ones): Xids forgotten; held GPUs are
+        released once they read healthy (controller/gpuops.py)."""
+        from relocator.controller.gpuops import clear_gpus
+
+        return clear_gpus(self, node, gpus)
+
     def stop_worker(self, worker_id: str) -> dict:
         return self.workers.stop(worker_id, cancel=self.demands.cancel)
 

@@ -126,6 +126,7 @@ class PolicyEngine:
         """One reconcile round (the controller's `update_policies` step)."""
         ctx = self.context()
         self.gpus.update(ctx, self.gpu_rules())
+        ctx.health = self.gpus.visible(ctx.health)  # held fake GPUs: by count, nothing to act on
         self._undo_windows(ctx)
         for spec in self.specs:
             if spec.enabled:
@@ -134,6 +135,7 @@ class PolicyEngine:
     def dry_run(self) -> dict:
         """What each policy would do now: its firings, the steps and why it would wait."""
         ctx = self.context()
+        ctx.health = self.gpus.visible(ctx.health)
         return {"now": ctx.now, "move_s": ctx.move_s,
                 "policies": [{"name": s.name, "enabled": s.enabled, **self._guarded(s, ctx, act=False)}
                              for s in self.specs], "errors": self.errors}
