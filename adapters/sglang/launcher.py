@@ -16,8 +16,9 @@ that). What it changes, and why:
   their logits, as in an all-greedy batch (SGLang sorts those rows' probabilities instead,
   and ties then fall by batch composition: a continued stream could differ from the run it
   continues);
-- SGLANG_USE_CPU_ENGINE=1 (else loading the model imports vLLM's CUDA ops) and the stand-in
-  `sgl_kernel` on sys.path (no CPU build of the real one exists on PyPI).
+- on cpu (RELOCATOR_SGLANG_DEVICE, the adapter sets it): SGLANG_USE_CPU_ENGINE=1 (else loading
+  the model imports vLLM's CUDA ops) and the stand-in `sgl_kernel` on sys.path (no CPU build of
+  the real one exists on PyPI); on cuda neither.
 SGLang starts its scheduler and detokenizer with multiprocessing's *spawn*: each child
 re-imports this module as its main module, so the patches apply there too. The tree is one
 process group under the launcher: HTTP server + tokenizer manager (this process), scheduler,
@@ -37,10 +38,12 @@ os.environ.setdefault("UV_USE_IO_URING", "0")
 # libuv backend (thread "pt_tcpstore_uv", libuv bundled in libtorch) opens an io_uring
 # instance as well. USE_LIBUV=0 selects the store's plain-socket backend.
 os.environ.setdefault("USE_LIBUV", "0")
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-_STUB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stub_sgl_kernel")
-if _STUB not in sys.path:
-    sys.path.insert(0, _STUB)
+if os.environ.get("RELOCATOR_SGLANG_DEVICE", "cpu") == "cpu":
+    # CUDA's SGLang (requirements-sglang-cuda.lock) has the real kernels and engine
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    _STUB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stub_sgl_kernel")
+    if _STUB not in sys.path:
+        sys.path.insert(0, _STUB)
 
 
 def _use_stdlib_asyncio() -> None:
