@@ -27,6 +27,7 @@ class HandoffBackend(FakeBackend):
         self.stay_on_source = 0  # streams the router kept on the source at SWITCH
         self.catch_ups: list[int] = []  # the router's catch-up rounds asked at each switch call
         self.nice: list[tuple[str, str, int]] = []  # the source's priority, as asked
+        self.at_token: list[bool] = []  # each switch call: cut at the streams' next token?
 
     def prioritize(self, node, cell, nice):
         self._call("prioritize", node, cell)
@@ -53,8 +54,9 @@ class HandoffBackend(FakeBackend):
         self.prefilled.extend(sequences)
         return {"sequences": len(sequences)}
 
-    def handoff_switch(self, wid, endpoint, keep_inexact=True, cut_from=None, catch_up_rounds=0):
+    def handoff_switch(self, wid, endpoint, keep_inexact=True, cut_from=None, catch_up_rounds=0, at_token=False):
         self.catch_ups.append(catch_up_rounds)
+        self.at_token.append(at_token)
         info = self.switch(wid, endpoint)
         if not keep_inexact:
             assert cut_from == "http://a"  # only the source's streams are cut past the window
@@ -160,6 +162,7 @@ def test_handoff_moves_without_freezing_the_source(env) -> None:
     w = store.worker("w1")
     assert (w.node, w.cell_id, w.state) == ("n2", "w1-r1", "running")
     assert be.catch_ups == [CATCH_UP_ROUNDS] and CATCH_UP_ROUNDS > 0  # the router's last rounds
+    assert be.at_token == [True]  # each stream cut right after its next token (the source serves until then)
     assert be.nice == [("n1", "c1", SOURCE_NICE)] and SOURCE_NICE < 0  # favoured while the target starts
 
 

@@ -217,3 +217,94 @@ async def test_eight_splices_at_once_check_the_tokenizer_with_one_engine_call(tm
     calls = EngineCalls(liar, reg2)
     got = await asyncio.gather(*(calls.tokenizer(r, Codec(), "fake", [97, 98]) for _ in range(8)))
     assert posts == ["http://t/detokenize"] and got == [None] * 8
+
+
+# --- a switch at_token: each stream cut right after its next token (a handoff's source serves on)
+def test_a_switch_at_token_marks_the_cut_and_cuts_anyway_after_the_wait(monkeypatch):
+    import relocator.router.table as table
+
+    monkeypatch.setattr(table, "AT_TOKEN_WAIT_S", 0.05)
+
+    async def main() -> tuple[StreamHandle, list[bool], list[bool]]:
+        t = RoutingTable()
+        t.add("w", "m", "http://src")
+        h = _stream(t, {"temperature": 0}, [7])
+        cut: list[bool] = []
+        h.abort = lambda: cut.append(True)
+        info = t.switch("w", "http://dst", keep_inexact=True, at_token=True)
+        assert info["moved_streams"] == 1 and h.moved and h.cut_due, info
+        at_once = list(cut)  # not cut yet: its relay ends the leg after the next token
+        await asyncio.sleep(0.3)  # no token came (a stream in its prefill, a stalled source)
+        return h, at_once, cut
+
+    h, at_once, cut = asyncio.run(main())
+    assert at_once == [] and cut == [True] and not h.cut_due, (at_once, cut)
+    # no event loop (a switch from a synchronous caller): cut at once
+    t = RoutingTable()
+    t.add("w", "m", "http://src")
+    h2 = _stream(t, {"temperature": 0}, [7])
+    t.switch("w", "http://dst", at_token=True)
+    assert h2.moved and not h2.cut_due
+
+
+def test_the_relay_ends_the_leg_right_after_the_token_it_passes_on():
+    """RouterCore._relay with a fake upstream: the leg marked `cut_due` while a token is with the
+    client reads no further event from the source (the continuation starts from there)."""
+    from types import SimpleNamespace
+
+    from relocator.router.core import RouterCore
+
+    st = StreamState("completion", {"model": "m", "prompt": "x", "max_tokens": 50}, codec=VLLMCodec())
+    h = StreamHandle("w", stream=st)
+    read: list[bytes] = []
+
+    class Upstream:
+        async def chunks(self):
+            for ev in (FIRST, TOK % 7, TOK % 8, TOK % 9):
+                read.append(ev)
+                yield ev
+
+        def close(self):
+            pass
+
+    core = SimpleNamespace(hooks=SimpleNamespace(ttfb=lambda s: None))
+
+    async def main() -> list[bytes]:
+        got = []
+        async for out in RouterCore._relay(core, st, h, Upstream(), 0.0):
+            got.append(out)
+            if b"[7]" in out or st.sent_ids == [7]:
+                h.cut_due = True  # the switch came while token 7 was with the client
+        return got
+
+    got = asyncio.run(main())
+    assert st.sent_ids == [7] and len(read) == 2 and not h.cut_due, (st.sent_ids, read, got)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_stalled_stream_switched_at_token_is_cut_after_the_wait_and_continued(env, monkeypatch):  # noqa: F811
+    import relocator.router.table as table
+
+    monkeypatch.setattr(table, "AT_TOKEN_WAIT_S", 0.1)
+    srv, fakes, s = env
+    base = {"model": "fake", "max_tokens": 20, "stream": True, "prompt": "abc", "return_token_ids": True}
+    _, ref = await sse(s, fakes[1][1] + "/v1/completions", base)
+    ref_ids = [t for c in ref if c["choices"] for t in c["choices"][0].get("token_ids") or []]
+    rc = RouterControl(srv.control_url)
+    fakes[0][0].knobs.stall_after = 7
+    task = asyncio.create_task(sse(s, srv.url + "/v1/completions", base))
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if fakes[0][0]._stalls:
+            break
+    n = len(fakes[1][0].requests)
+    info = await rc.switch("w1", fakes[1][1], keep_inexact=True, at_token=True)
+    assert info["moved_streams"] == 1, info
+    _, got = await asyncio.wait_for(task, 10)  # no token came: cut by the wait, continued on the target
+    fakes[0][0].unstall()
+    assert [t for c in got if c["choices"] for t in c["choices"][0].get("token_ids") or []] == ref_ids
+    assert [r["max_tokens"] for r in fakes[1][0].requests[n:]] == [20 - 7], fakes[1][0].requests[n:]
+    with pytest.raises(ControlError) as ei:
+        await rc._call("POST", "/control/workers/w1/switch", {"endpoint": fakes[0][1], "at_token": "yes"})
+    assert ei.value.status == 400 and ei.value.body["error"]["param"] == "at_token"
+    await rc.close()

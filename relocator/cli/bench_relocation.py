@@ -144,10 +144,27 @@ def _measure(ctl, wid: str, dst: str, transfer: str, streams: int, max_tokens: i
         "requests": load["requests"], "tokens": load["tokens"],
         "result": rel["result"], "client_max_gap_s": [c["max_gap_s"] for c in load["clients"]],
         # the load's longest gap before the move (its normal pace), and where the blackout fell
-        "normal_gap_max_s": load.get("normal_gap_max_s"),
+        "normal_gap_max_s": load.get("normal_gap_max_s"), "normal_gap_median_s": load.get("normal_gap_median_s"),
+        # the issue's blackout: the longest gap minus the normal (median) inter-token gap
+        "blackout_excess_s": excess(load["blackout_max_s"], load.get("normal_gap_median_s")),
+        # the longest gap that overlaps SWITCH (a handoff's cut-over; the freezing modes' is longer)
+        "switch_gap_s": switch_gap(full, load.get("long_gaps") or [], res.get("clock_offset_s", 0.0)),
         "blackout_at": blackout_at(full, load.get("blackout_span") or [], res.get("clock_offset_s", 0.0)),
         "gap_by_phase": gap_by_phase(full, load.get("long_gaps") or [], res.get("clock_offset_s", 0.0)),
     }
+
+
+def excess(blackout: float, normal: float | None) -> float | None:
+    return None if normal is None else round(max(0.0, blackout - normal), 4)
+
+
+def switch_gap(rel: dict, gaps: list[list[float]], offset: float) -> float | None:
+    """The longest client gap overlapping SWITCH (`gaps`: the load's longest, monotonic)."""
+    p = next((p for p in rel.get("phases", []) if p["name"] == "SWITCH" and p.get("ended")), None)
+    if p is None:
+        return None
+    over = [b - a for a, b in gaps if a + offset <= p["ended"] and b + offset >= p["started"]]
+    return round(max(over), 4) if over else 0.0
 
 
 def gap_by_phase(rel: dict, gaps: list[list[float]], offset: float) -> dict[str, float]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import difflib
 import json
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -190,6 +191,7 @@ class Load:
         errors: list[str] = []
         clients: dict[int, dict[str, Any]] = {}
         blackout = normal = 0.0
+        before: list[float] = []  # the gaps before the move: the load's normal inter-token pace
         span: list[float] = []  # (start, end) of the blackout's gap, monotonic
         long_gaps: list[tuple[float, float, float]] = []  # (length, start, end) within the window
         for r in self.results:
@@ -220,6 +222,7 @@ class Load:
                         blackout, span = b - a, [a, b]
                 elif window and b < window[0]:  # before the move: the load's normal gaps
                     normal = max(normal, b - a)
+                    before.append(b - a)
         for c in clients.values():
             c["max_gap_s"] = round(c["max_gap_s"], 4)
         return {"requests": len(self.results), "tokens": sum(len(r.tokens) for r in self.results),
@@ -228,6 +231,8 @@ class Load:
                 "text_bad": text_bad, "client_errors": len(errors),
                 "errors": errors[:5], "blackout_max_s": round(blackout, 4), "blackout_span": span,
                 "normal_gap_max_s": round(normal, 4),
+                # the median gap before the move: the "normal inter-token gap"
+                "normal_gap_median_s": round(statistics.median(before), 4) if before else None,
                 # the 64 longest gaps overlapping the window: [start, end] (where each phase's lies)
                 "long_gaps": [[a, b] for _, a, b in sorted(long_gaps, reverse=True)[:64]],
                 "clients": [clients[k] for k in sorted(clients)]}

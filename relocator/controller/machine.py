@@ -317,6 +317,8 @@ class Machine:
         w.gpu_ids = list(rel.dst_gpu_ids)
         self.store.save_worker(w)
         out = {"moved_streams": info.get("moved_streams"), "released": info.get("released")}
+        # a handoff's: the streams kept on the source and the router's catch-up (rounds, tokens, s)
+        out.update({k: info[k] for k in ("kept_streams", "catch_up") if info.get(k) is not None})
         out.update(mode.after_switch(self, rel, switched_at))
         return out
 

@@ -89,10 +89,12 @@ class RouterControl:
         return await self._call("POST", _paths(worker_id)["hold"])
 
     async def switch(self, worker_id: str, endpoint: str, release: bool = True,
-                     keep_inexact: bool = False, catch_up_rounds: int = 0) -> dict:
+                     keep_inexact: bool = False, catch_up_rounds: int = 0, at_token: bool = False) -> dict:
         body: dict[str, Any] = {"endpoint": endpoint, "release": release}
         if keep_inexact:
             body["keep_inexact"] = True
+        if at_token:
+            body["at_token"] = True
         if catch_up_rounds:
             body["catch_up_rounds"] = catch_up_rounds
         return await self._call("POST", _paths(worker_id)["switch"], body)
@@ -144,12 +146,15 @@ class RouterControlSync:
         return self._call("POST", _paths(worker_id)["hold"])
 
     def switch(self, worker_id: str, endpoint: str, release: bool = True, keep_inexact: bool = False,
-               cut_from: str | None = None, catch_up_rounds: int = 0) -> dict:
+               cut_from: str | None = None, catch_up_rounds: int = 0, at_token: bool = False) -> dict:
         """`catch_up_rounds`: the router first prefills `endpoint` with the streams (a handoff's
-        last warm-up, relocator.router.catchup), at most that many rounds."""
+        last warm-up, relocator.router.catchup), at most that many rounds. `at_token`: each
+        stream is cut right after its next token (the source serves on: a handoff)."""
         body: dict[str, Any] = {"endpoint": endpoint, "release": release}
         if keep_inexact:
             body["keep_inexact"] = True
+        if at_token:
+            body["at_token"] = True
         if cut_from:
             body["cut_from"] = cut_from
         if catch_up_rounds:

@@ -157,6 +157,9 @@ class ControlAPI:
         cut_from = b.get("cut_from")
         if cut_from is not None and not isinstance(cut_from, str):
             raise errors.bad_request("'cut_from' must be an endpoint (http[s]://host:port).", param="cut_from")
+        at_token = b.get("at_token", False)
+        if not isinstance(at_token, bool):
+            raise errors.bad_request(f"'at_token' must be true or false, not {at_token!r}.", param="at_token")
         rounds = b.get("catch_up_rounds", 0)
         if not isinstance(rounds, int) or isinstance(rounds, bool) or not 0 <= rounds <= catchup.MAX_ROUNDS:
             raise errors.bad_request(f"'catch_up_rounds' must be an integer 0-{catchup.MAX_ROUNDS}, "
@@ -165,7 +168,7 @@ class ControlAPI:
         if rounds and self.rt.core is not None:  # a handoff: the target's last prefill, then the cut
             self.rt.table.get(w)  # 404 before any work
             caught = await catchup.catch_up(self.rt.core, w, ep, rounds)
-        info = self.rt.table.switch(w, ep, release=release, keep_inexact=keep, cut_from=cut_from)
+        info = self.rt.table.switch(w, ep, release=release, keep_inexact=keep, cut_from=cut_from, at_token=at_token)
         if caught is not None:
             info["catch_up"] = caught
         self.rt.persist()

@@ -335,6 +335,9 @@ class RouterCore:
                     yield out
                 if st.done:
                     break
+                if out and handle.cut_due:  # a switch at_token: cut right after this token
+                    handle.cut_due = False
+                    break
         except UpstreamError:
             pass
         except asyncio.CancelledError:

@@ -110,9 +110,10 @@ class _WatchedTable(RoutingTable):
                 cs.pause = None
 
     def switch(self, worker_id: str, endpoint: str, *, release: bool = True, keep_inexact: bool = False,
-               cut_from: str | None = None) -> dict:
+               cut_from: str | None = None, at_token: bool = False) -> dict:
         self.on_switch(worker_id)
-        return super().switch(worker_id, endpoint, release=release, keep_inexact=keep_inexact, cut_from=cut_from)
+        return super().switch(worker_id, endpoint, release=release, keep_inexact=keep_inexact, cut_from=cut_from,
+                              at_token=at_token)
 
 
 class RouterServer:

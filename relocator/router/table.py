@@ -14,6 +14,11 @@ from . import errors
 from .policies import Policy, make_policy
 
 
+#: a switch `at_token` (a handoff's): the longest a stream waits for its next token before it is
+#: cut anyway (a stream in its prefill, or a stalled source)
+AT_TOKEN_WAIT_S = 1.0
+
+
 class ReplicaState(str, enum.Enum):
     ACTIVE = "active"
     HELD = "held"
@@ -32,6 +37,10 @@ class StreamHandle:
     #: the request's StreamState (a stream's legs only): what a handoff warms up and keeps
     stream: Any = None
     endpoint: str = ""  # where its upstream request went
+    #: a switch `at_token`: the request's relay ends the leg right after the next token it
+    #: passes on (the client's gap is then the continuation's first token only, not also the
+    #: time since the source's last token); AT_TOKEN_WAIT_S later it is cut in any case
+    cut_due: bool = False
 
     def progress(self) -> dict | None:
         """The stream's prompt ids, the ids sent so far and whether a continuation of it is
@@ -44,8 +53,22 @@ class StreamHandle:
         return {"prompt_ids": prompt, "sent_ids": sent, "endpoint": self.endpoint,
                 "inexact": st.leg_codec.inexact_reasons(st.kind, st.body, sent)}
 
+    def cut_at_token(self, wait_s: float | None = None) -> None:
+        """Cut at the stream's next token boundary (its relay ends the leg: `cut_due`), at the
+        latest `wait_s` (AT_TOKEN_WAIT_S) from now; at once where no event loop runs."""
+        wait_s = AT_TOKEN_WAIT_S if wait_s is None else wait_s
+        self.moved = True
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.cut()
+            return
+        self.cut_due = True
+        loop.call_later(wait_s, lambda: self.cut() if self.cut_due else None)
+
     def cut(self) -> None:
         self.moved = True
+        self.cut_due = False
         if self.abort is not None:
             try:
                 self.abort()
@@ -262,10 +285,12 @@ class RoutingTable:
         return [p for p in got if p is not None]
 
     def switch(self, worker_id: str, endpoint: str, *, release: bool = True,
-               keep_inexact: bool = False, cut_from: str | None = None) -> dict:
+               keep_inexact: bool = False, cut_from: str | None = None, at_token: bool = False) -> dict:
         """`keep_inexact`: a stream whose continuation would not be exact is not cut: it ends
         on the endpoint it has (a handoff's source, serving on for a window). `cut_from`: only
-        streams reading from that endpoint are cut (the handoff's source, past its window)."""
+        streams reading from that endpoint are cut (the handoff's source, past its window).
+        `at_token`: each stream is cut right after its next token (StreamHandle.cut_at_token):
+        a source that serves on (a handoff) keeps the client's gap to the continuation's start."""
         r = self.get(worker_id)
         old = r.endpoint
         r.endpoint = endpoint.rstrip("/")
@@ -280,7 +305,10 @@ class RoutingTable:
                 kept += 1
                 continue
             moved += 1
-            s.cut()
+            if at_token:
+                s.cut_at_token()
+            else:
+                s.cut()
         info = r.info()
         info["moved_streams"] = moved
         info["kept_streams"] = kept

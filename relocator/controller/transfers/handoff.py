@@ -71,10 +71,10 @@ class HandoffCalls:
                                 "prefill", timeout=300)
 
     def handoff_switch(self, worker_id: str, endpoint: str, keep_inexact: bool = True,
-                       cut_from: str | None = None, catch_up_rounds: int = 0) -> dict:
+                       cut_from: str | None = None, catch_up_rounds: int = 0, at_token: bool = False) -> dict:
         return self._router(worker_id, lambda rc: rc.switch(  # type: ignore[attr-defined]
             worker_id, endpoint, keep_inexact=keep_inexact, cut_from=cut_from,
-            catch_up_rounds=catch_up_rounds), endpoint)
+            catch_up_rounds=catch_up_rounds, at_token=at_token), endpoint)
 
 
 class WarmUp:
@@ -194,8 +194,10 @@ class HandoffTransfer(TransferStrategy):
         return {**info, **start, **warm, "source_frozen_s": 0.0, "source_nice": SOURCE_NICE}
 
     def switch(self, ctx: Context, rel: "Relocation", worker: "WorkerRecord") -> dict:
+        # each stream cut right after its next token: the source serves until then, so the
+        # client's gap is the continuation's first token alone (docs/handoff.md, SWITCH)
         return ctx.backend.handoff_switch(worker.id, rel.dst_endpoint, keep_inexact=True,
-                                          catch_up_rounds=CATCH_UP_ROUNDS)
+                                          catch_up_rounds=CATCH_UP_ROUNDS, at_token=True)
 
     def release(self, ctx: Context, rel: "Relocation") -> dict[str, Any]:
         window = float(ctx.handoff_window_s)  # config controller.handoff_window_s

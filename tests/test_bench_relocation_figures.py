@@ -1,0 +1,25 @@
+"""`relocator bench relocation`'s derived figures: the gap over SWITCH and the blackout over the
+load's normal (median) inter-token gap (issue 29's definition). Pure: records made by hand."""
+
+from __future__ import annotations
+
+from relocator.cli.bench_relocation import excess, switch_gap
+
+REL = {"phases": [{"name": "RESTORE", "started": 100.0, "ended": 110.0},
+                  {"name": "SWITCH", "started": 110.0, "ended": 110.5},
+                  {"name": "RELEASE", "started": 110.5, "ended": 112.0}]}
+
+
+def test_the_switch_gap_is_the_longest_gap_overlapping_switch() -> None:
+    gaps = [[104.0, 105.2],  # 1.2 s, inside RESTORE: not the switch's
+            [110.3, 110.7],  # 0.4 s across the cut
+            [110.45, 110.6]]
+    assert switch_gap(REL, gaps, 0.0) == 0.4
+    assert switch_gap(REL, [[4.3, 4.7]], 106.0) == 0.4  # monotonic gaps, wall-clock phases
+    assert switch_gap(REL, [[104.0, 105.2]], 0.0) == 0.0
+    assert switch_gap({"phases": [{"name": "SWITCH", "started": 1.0}]}, gaps, 0.0) is None  # never ended
+
+
+def test_the_excess_is_the_blackout_over_the_normal_gap() -> None:
+    assert excess(0.526, 0.126) == 0.4
+    assert excess(0.1, 0.2) == 0.0 and excess(0.5, None) is None
