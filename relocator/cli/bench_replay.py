@@ -19,6 +19,7 @@ from relocator.cli.replay_gpushare import GPUSHARE_KEYS, PACK_EVERY, print_gpush
 from relocator.cli.simulate import POLICY_LIST, fail, load_inputs, parse_choices
 from relocator.sim.arrivals import Arrivals
 from relocator.sim.replay import ReplayMode
+from relocator.sim.runlog import RunLogError, append_run, inputs_digest, load_runs, run_key
 
 #: figures averaged over seeds (mean, sd, min, max)
 AGG_KEYS = ("wait_s_p50", "wait_s_p99", "wait_s_max", "wait_s_p99_all", "alloc_ratio_mean", "queue_len_mean", "moves",
@@ -111,9 +112,10 @@ def bench_replay(
     plot: Optional[Path] = typer.Option(Path("docs/img/replay_default.png"), "--plot", help="PNG of the first pod list and policy, at the first load and seed: allocation and queue over time per mode."),
     plot_arms: Optional[Path] = typer.Option(None, "--plot-arms", help="PNG (e.g. docs/img/replay_baselines.png) of the >= 4-GPU p99 wait per queue and mode, one panel per pod list and load (first policy)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object: {results: [...] (means over seeds), runs: [...] (one per seed)}."),
+    runs_file: Optional[Path] = typer.Option(None, "--runs-file", help="JSON lines, one per finished run, written as each ends; runs already in it (same list, inputs and options) are read back, not run again, so a stopped bench resumes. Start a new file after changing the code."),
 ) -> None:
     """Replay with departures: queueing delay, allocation and moves, with and without relocation."""
-    from relocator.sim.trace import POD_FILE, TraceError, load_pods
+    from relocator.sim.trace import NODE_FILE, POD_FILE, TraceError, load_pods
 
     policies, _ = parse_choices(policy, "42")
     if passes < 2:
@@ -123,6 +125,10 @@ def bench_replay(
     if budget < 0 or (budget_cap is not None and budget_cap < 0):
         raise fail("--budget and --budget-cap must not be negative")
     tdir, nodes, default_pods = load_inputs(trace, None)
+    try:
+        done = load_runs(runs_file) if runs_file is not None else {}
+    except RunLogError as exc:
+        raise fail(str(exc)) from None
     names = [v.strip() for v in variants.split(",") if v.strip()]
     if not names:
         raise fail("no pod list given in --variants")
@@ -142,7 +148,8 @@ def bench_replay(
         set_pack_every(cfgs, pack_every)
         if not as_json:
             typer.echo(f"{name}: {len(cfgs)} runs", err=True)
-        out = run_configs(nodes, pods, cfgs, default_pods, max(1, jobs), quiet=as_json)
+        out = _run_or_read(nodes, pods, cfgs, default_pods, jobs, as_json, name, runs_file, done,
+                           (tdir / NODE_FILE, path, tdir / POD_FILE))
         for r in out:
             r["pods"] = name
         if not first_series:
@@ -156,6 +163,30 @@ def bench_replay(
             r.pop("series", None)
         runs.extend(out)
     _report(runs, policies[0], seeds, arrivals.value, plot, plot_arms, as_json)
+
+
+def _run_or_read(nodes, pods, cfgs, donor, jobs: int, quiet: bool, name: str, runs_file: Optional[Path], done: dict[str, dict],
+                 inputs: tuple[Path, ...]) -> list[dict]:
+    """The runs of `cfgs` in order: those in the runs file read back, the others made (and, with a
+    runs file, added to it as each ends)."""
+    if runs_file is None:
+        return run_configs(nodes, pods, cfgs, donor, max(1, jobs), quiet=quiet)
+    digest = inputs_digest(inputs)
+    keys = [run_key(name, digest, c) for c in cfgs]
+    todo = [c for c, k in zip(cfgs, keys) if k not in done]
+    if not quiet:
+        typer.echo(f"{name}: {len(cfgs) - len(todo)} runs read from {runs_file}, {len(todo)} to make", err=True)
+
+    def keep(c, r: dict) -> None:
+        k = run_key(name, digest, c)
+        append_run(runs_file, k, {**r, "pods": name})
+        done[k] = r
+
+    try:
+        run_configs(nodes, pods, todo, donor, max(1, jobs), quiet=quiet, on_run=keep)
+    except OSError as exc:
+        raise fail(f"cannot write runs file {runs_file}: {exc}") from None
+    return [dict(done[k]) for k in keys]
 
 
 def _report(runs: list[dict], policy: str, seeds: int, arrivals: str, plot: Optional[Path], plot_arms: Optional[Path],

@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import typer
 
@@ -73,7 +73,7 @@ def make_configs(policies, modes, loads, seed, queue, passes, moves_per_pod, bud
     ]
 
 
-def run_configs(nodes, pods, cfgs, donor, jobs: int, quiet: bool = False) -> list[dict]:
+def run_configs(nodes, pods, cfgs, donor, jobs: int, quiet: bool = False, on_run: Optional[Callable] = None) -> list[dict]:
     from relocator.sim.replay import ReplayError, replay_many
 
     def done(r: dict) -> None:
@@ -81,7 +81,7 @@ def run_configs(nodes, pods, cfgs, donor, jobs: int, quiet: bool = False) -> lis
             typer.echo(f"  {r['policy']:<11} {r['mode']:<14} load {r['load']:.1f} seed {r['seed']}: {r['seconds']:.0f} s", err=True)
 
     try:
-        return replay_many(nodes, pods, cfgs, donor, jobs=jobs, on_done=done)
+        return replay_many(nodes, pods, cfgs, donor, jobs=jobs, on_done=done, on_run=on_run)
     except ReplayError as exc:
         raise fail(str(exc)) from None
 

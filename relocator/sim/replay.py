@@ -288,15 +288,23 @@ def replay_many(
     times_from: Sequence[TracePod] | None = None,
     jobs: int = 1,
     on_done: Callable[[dict], None] | None = None,
+    on_run: Callable[[ReplayConfig, dict], None] | None = None,
 ) -> list[dict]:
-    """Several replays (in ``jobs`` processes); results in the order of ``cfgs``."""
+    """Several replays (in ``jobs`` processes); results in the order of ``cfgs``. ``on_done``
+    (result) and ``on_run`` (configuration, result) are called as each run ends."""
     typical = TypicalPods.from_workloads([p.workload for p in pods])
+
+    def ended(c: ReplayConfig, r: dict) -> None:
+        if on_done is not None:
+            on_done(r)
+        if on_run is not None:
+            on_run(c, r)
+
     if jobs <= 1:
         out = []
         for c in cfgs:
             r = replay(nodes, pods, c, times_from, typical)
-            if on_done is not None:
-                on_done(r)
+            ended(c, r)
             out.append(r)
         return out
     from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -305,7 +313,7 @@ def replay_many(
     with ProcessPoolExecutor(max_workers=jobs) as ex:
         futs = {ex.submit(_run_one, (nodes, pods, c, times_from, typical)): i for i, c in enumerate(cfgs)}
         for f in as_completed(futs):
-            res[futs[f]] = f.result()
-            if on_done is not None:
-                on_done(res[futs[f]])
+            i = futs[f]
+            res[i] = f.result()
+            ended(cfgs[i], res[i])
     return [res[i] for i in range(len(cfgs))]
