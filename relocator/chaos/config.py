@@ -18,6 +18,8 @@ class ChaosConfig:
     make_rooms: int = 0  # make-room launches (a node-sized worker seated by the controller's moves)
     moves_per_minute: float = 0.0  # 0: back to back
     faults: list[str] = field(default_factory=list)
+    triggers: list[str] = field(default_factory=list)  # trigger faults (relocator/chaos/triggers.py)
+    flap_s: float = 12.0  # how long the gpu-flap trigger fault flaps
     streams: int = 4
     workers: int = 1
     gpus: int = 1

@@ -58,8 +58,8 @@ def _p50_phases(moves: list[dict]) -> dict[str, float]:
 def _attribute_failures(rep: Any, moves: list[dict]) -> tuple[dict[str, int], list[dict]]:
     """Failed requests, each attributed to the fault whose window (injection .. move end + 2 s)
     holds its end: ({fault or "none": count}, [failure])."""
-    windows = [(m["fault"], m.get("injected_at") or m["started_at"], m["ended_at"] + 2.0)
-               for m in moves if m.get("fault") and m.get("started_at")]
+    windows = [(m.get("fault") or m.get("trigger"), m.get("injected_at") or m["started_at"], m["ended_at"] + 2.0)
+               for m in moves if (m.get("fault") or m.get("trigger")) and m.get("started_at")]
     by_fault: dict[str, int] = {}
     failed = []
     for r in rep.results:
@@ -75,11 +75,12 @@ def _attribute_failures(rep: Any, moves: list[dict]) -> tuple[dict[str, int], li
 def _outcome(m: dict, by_fault: dict[str, int], cfg: Any) -> dict:
     """One step's checked outcome (check_outcome / check_scheduling_outcome)."""
     f = FAULTS[m["fault"]] if m.get("fault") else None
-    failed = by_fault.get(m.get("fault") or "", 0) if f else 0
+    failed = by_fault.get(m.get("fault") or m.get("trigger") or "", 0) if f or m.get("trigger") else 0
     if m.get("kind") not in (None, StepKind.MOVE):
         o = check_scheduling_outcome({**m, "failed_requests": failed}, f)
+        extra = {k: m[k] for k in ("trigger", "controller", "observed") if k in m}  # a trigger step's
         return {**o.to_dict(), "step": m["step"], "kind": m["kind"], "serve_again_s": m.get("serve_again_s"),
-                "injected": m.get("injected"), "source_serving_s": m.get("source_serving_s")}
+                "injected": m.get("injected"), "source_serving_s": m.get("source_serving_s"), **extra}
     o = check_outcome(f, m, injected=m.get("injected", True), serving=m["serving"],
                       worker_node_alive=m.get("worker_node_alive", True),
                       serve_again_s=m.get("serve_again_s"), failed_requests=failed, leaked=None,
@@ -94,7 +95,8 @@ def outcomes(moves: list[dict], by_fault: dict[str, int], cfg: Any) -> tuple[lis
     scheduling: list[dict] = []
     for m in moves:
         if m.get("result") == "skipped":
-            out.append({"fault": m["fault"], "result": "skipped", "ok": False, "problems": [m["error"]]})
+            out.append({"fault": m["fault"], "result": "skipped", "ok": False, "problems": [m["error"]],
+                        **({"trigger": m["trigger"]} if m.get("trigger") else {})})
             if m.get("kind") not in (None, StepKind.MOVE):
                 scheduling.append({**out[-1], "kind": m["kind"], "step": m["step"]})
             continue
@@ -124,7 +126,7 @@ def _without_router_restarts(rep: Any, ref: Any, failed: list[dict]) -> dict[str
     counts its whole reference as lost)."""
     from loadtests import LoadReport, check_tokens
 
-    cut = {r["index"] for r in failed if r["fault"] and FAULTS[r["fault"]].requests_may_fail}
+    cut = {r["index"] for r in failed if r["fault"] in FAULTS and FAULTS[r["fault"]].requests_may_fail}
     rest = LoadReport(config=rep.config, started_at=rep.started_at, duration_s=rep.duration_s,
                       results=[r for r in rep.results if r.index not in cut])
     tc = check_tokens(rest, ref)
@@ -163,6 +165,8 @@ def figures(cfg: Any, rep: Any, ref: Any, moves: list[dict], leaked: dict[str, l
         "leaked": leaked, "faults": {o["fault"]: o for o in outs if o.get("fault")},
         "moves": moves, "failed": failed[:20],
         "scheduling_steps": scheduling,
+        # trigger faults (relocator/chaos/triggers.py): each one's outcome and what the controller did
+        "triggers": {o["trigger"]: o for o in scheduling if o.get("trigger")},
         "phase_seconds_p50": _p50_phases(moves),
     }
 

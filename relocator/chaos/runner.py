@@ -28,6 +28,10 @@ from relocator.chaos.hosts import LocalView, host_view, split_faults
 from relocator.chaos.load import _chat_fraction, _LoadThread, _reference
 from relocator.chaos.probe import serving_again_at  # noqa: F401 - re-exported (tests, callers)
 from relocator.chaos.steps import SCHEDULING_STEPS, _freeze_end, _status, one_move  # noqa: F401
+from relocator.chaos.triggersteps import trigger_step
+
+#: every step kind but the forced move: what runs it
+STEPS = {**SCHEDULING_STEPS, StepKind.TRIGGER: trigger_step}
 
 CONTROLLER_SPARED = ("hosts the controller, which is pinned there (the head node, or deploy's controller.node) "
                      "and does not survive its loss: a fault that kills a node never takes it")
@@ -172,7 +176,7 @@ def _launch(run: _Run) -> tuple[list[dict], list[str], Any]:
 def _step(run: _Run, i: int, step: Step) -> None:
     """One scheduled step, its records appended to run.moves."""
     cfg, ctl = run.cfg, run.ctl
-    run.watch.begin(f"step {i} ({step.fault or step.kind.value})", step.fault)
+    run.watch.begin(f"step {i} ({step.fault or step.trigger or step.kind.value})", step.fault or step.trigger)
     st = _status(ctl)
     w = next(x for x in st["workers"] if x["id"] == step.worker)
     if step.kind is not StepKind.MOVE:  # the scheduling layer's steps
@@ -180,7 +184,7 @@ def _step(run: _Run, i: int, step: Step) -> None:
             run.moves.append({"step": i, "kind": step.kind.value, "fault": step.fault, "result": "skipped",
                               "error": f"worker {w['id']} is {w['state']}"})
             return
-        m = SCHEDULING_STEPS[step.kind](ctl, run.base, step, w, cfg, run.say)
+        m = STEPS[step.kind](ctl, run.base, step, w, cfg, run.say)
         run.seen_cells.update(m.get("cells", []))
         run.moves.append(m)
         return
@@ -198,9 +202,10 @@ def _step(run: _Run, i: int, step: Step) -> None:
 def _steps(run: _Run, ws: list[dict], nodes: list[str]) -> None:
     cfg = run.cfg
     steps = make_schedule(cfg.moves, cfg.faults, {w["id"]: w["node"] for w in ws}, nodes, cfg.seed,
-                          suspends=cfg.suspends, make_rooms=cfg.make_rooms)
+                          suspends=cfg.suspends, make_rooms=cfg.make_rooms, triggers=cfg.triggers)
     run.say(f"{len(steps)} steps ({cfg.moves} plain moves, {cfg.suspends} suspend+resume, {cfg.make_rooms} "
-            f"make-room, faults: {', '.join(cfg.faults) or 'none'}), {cfg.streams} streams")
+            f"make-room, faults: {', '.join(cfg.faults) or 'none'}, triggers: {', '.join(cfg.triggers) or 'none'}), "
+            f"{cfg.streams} streams")
     interval = 60.0 / cfg.moves_per_minute if cfg.moves_per_minute > 0 else 0.0
     t_moves = time.monotonic()
     for i, step in enumerate(steps):

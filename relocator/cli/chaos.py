@@ -32,6 +32,18 @@ def _fault_words() -> list[str]:
     return [*ALL, *NONE]
 
 
+def _triggers(text: str) -> list[str]:
+    from relocator.chaos.triggers import parse_triggers
+
+    return parse_triggers(text)
+
+
+def _trigger_names() -> list[str]:
+    from relocator.chaos.triggers import TRIGGER_FAULTS
+
+    return list(TRIGGER_FAULTS)
+
+
 @app.command("chaos")
 @handle_errors
 def chaos_cmd(duration: float = typer.Option(None, "--duration", help="stop starting moves after D seconds"),
@@ -45,6 +57,13 @@ def chaos_cmd(duration: float = typer.Option(None, "--duration", help="stop star
               moves_per_minute: float = typer.Option(0.0, "--moves-per-minute", help="pace (0: back to back)"),
               faults: str = typer.Option(None, "--faults", callback=choice_list(_faults, _fault_names, _fault_words),
                                          help="comma list, 'all' or 'none' (default none; smoke all)"),
+              triggers: str = typer.Option(None, "--triggers",
+                                           callback=choice_list(_triggers, _trigger_names, _fault_words),
+                                           help="trigger faults, comma list, 'all' or 'none' (default none): "
+                                                "a GPU gone bad, a node notice, a flapping signal, GPUs held "
+                                                "by count; the policies' actions checked (docs/policies.md)"),
+              flap_s: float = typer.Option(12.0, "--flap-s", min=2, max=600,
+                                           help="how long the gpu-flap trigger fault flaps"),
               smoke: bool = typer.Option(False, "--smoke", help="a few minutes: a handful of moves, every fault once"),
               streams: int = typer.Option(None, "--streams", help="concurrent streams (default 8; smoke 4)"),
               workers: int = typer.Option(1, "--workers", help="workers to launch and move"),
@@ -67,9 +86,12 @@ def chaos_cmd(duration: float = typer.Option(None, "--duration", help="stop star
     from relocator.chaos.runner import ChaosConfig, run_chaos
     from relocator.cluster.config import cluster_dir as default_dir
 
+    from relocator.chaos.triggers import parse_triggers
+
     fl = parse_faults(faults) if faults is not None else None
     kw = dict(duration_s=duration, moves=moves, suspends=suspends, make_rooms=make_rooms,
-              moves_per_minute=moves_per_minute, faults=fl, streams=streams,
+              moves_per_minute=moves_per_minute, faults=fl, triggers=parse_triggers(triggers), flap_s=flap_s,
+              streams=streams,
               workers=workers, seed=seed, png=png, engine=engine.value, run_budget_s=budget,
               step_budget_s=step_budget,
               cluster_dir=cluster_dir or os.environ.get("RELOCATOR_CLUSTER_DIR") or str(default_dir()))
@@ -108,7 +130,14 @@ def _print_report(rep: dict) -> None:
     for name, why in rep.get("skipped_faults", {}).items():  # cannot apply on this cluster
         t.add_row(name, "skipped", "-", "-", why[:120])
     console.print(t)
+    for name, o in rep.get("triggers", {}).items():  # what the controller did about each trigger fault
+        console.print(f"trigger {name} (step {o['step']}): " + ("ok" if o["ok"] else "[red]NO[/] "
+                      + "; ".join(o["problems"])[:200]), highlight=False)
+        for line in o.get("controller") or ["the controller did nothing"]:
+            console.print(f"    {line}", highlight=False)
     for o in rep.get("scheduling_steps", []):
+        if o.get("trigger"):
+            continue
         if not o.get("fault"):
             console.print(f"{o['kind']} (step {o['step']}): {o['result']} "
                           + ("ok" if o["ok"] else "[red]NO[/] " + "; ".join(o["problems"])[:120]), highlight=False)
