@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from relocator.controller.warmcopies import FAILED_BACKOFF_S, WarmCopies
+import threading
+import time
+
+from relocator.controller.warmcopies import ANY_NODE, COUNTS, FAILED_BACKOFF_S, WarmCopies, busy_nodes, stored_counter
 from relocator.warm.config import WarmConfig
 from relocator.warm.replicate import Copy, plan_copies
 
@@ -147,9 +150,231 @@ def test_prefetch_by_hand_copies_what_the_node_lacks_and_reports_the_rest() -> N
 
 def test_no_copy_starts_while_a_move_or_a_start_is_under_way() -> None:
     busy = [True]
-    wc, _events, fetched, _clock = _copies({"a": {"k"}, "b": set()}, busy=busy)
+    wc, _events, fetched, clock = _copies({"a": {"k"}, "b": set()}, busy=busy)
     wc.update()
-    assert fetched == [] and "under way" in wc.last["why"]
+    assert fetched == [] and "under way" in wc.last["why"], wc.last
     busy[0] = False
-    wc.update()  # not rescheduled by the skipped round: due at once
-    assert fetched == [("b", "a", "k")]
+    wc.update()  # over a moment ago: moves come in bursts, so it waits for a quiet spell
+    assert fetched == [] and "waiting for 5 s" in wc.last["why"], wc.last
+    clock.t += WarmConfig().prefetch.quiet_s
+    wc.update()  # not rescheduled by the skipped rounds: due at once
+    assert fetched == [("b", "a", "k")], wc.last
+
+
+# -- giving way to moves and starts (the copy is cancelled, retried later) ----------------------
+class _Agents:
+    """A copy that runs until the test's operation begins, then until it is cancelled."""
+
+    def __init__(self, holders: dict[str, set[str]], busy: set[str], begin: str | None = "a",
+                 honours_cancel: bool = True) -> None:
+        self.holders, self.busy, self.begin, self.honours = holders, busy, begin, honours_cancel
+        self.fetched: list[tuple[str, str, str]] = []
+        self.cancels: list[tuple[str, str]] = []
+        self.events: list[tuple[str, dict]] = []
+        self.counts: dict[str, int] = {}
+        self.stop = threading.Event()
+
+    def fetch(self, dst: str, src: str, key: str) -> dict:
+        self.fetched.append((dst, src, key))
+        if len(self.fetched) == 1 and self.begin is not None:
+            self.busy.add(self.begin)  # a move begins on that node while the copy runs
+            if not self.stop.wait(60):
+                raise AssertionError("the copy was never cancelled")
+            if self.honours:
+                raise RuntimeError(f"warm image {key}: cancelled (a relocation or a start began)")
+        self.holders[dst].add(key)
+        return {"copied": True, "bytes": 10}
+
+    def cancel(self, dst: str, key: str) -> None:
+        self.cancels.append((dst, key))
+        self.stop.set()
+
+    def copies(self, scope: str = "cluster", hosts: dict[str, str] | None = None) -> tuple[WarmCopies, _Clock]:
+        clock = _Clock()
+        cfg = WarmConfig(prefetch={"yield_to": scope})
+        wc = WarmCopies(nodes=lambda: list(self.holders), keys=lambda n: sorted(self.holders[n]), fetch=self.fetch,
+                        emit=lambda kind, **f: self.events.append((str(kind.value), f)), config=lambda: cfg,
+                        host_of=lambda: dict(hosts or {}), clock=clock, spawn=lambda fn: fn(),
+                        busy=lambda: set(self.busy), cancel=self.cancel, poll_s=0.01,
+                        count=lambda o: self.counts.__setitem__(o, self.counts.get(o, 0) + 1))
+        return wc, clock
+
+    def kinds(self) -> list[str]:
+        return [k for k, _f in self.events]
+
+
+def test_a_move_that_begins_cancels_the_running_copy_which_is_retried_at_a_quiet_round() -> None:
+    ag = _Agents({"a": {"k"}, "b": set()}, busy=set())
+    wc, clock = ag.copies()
+    wc.update()
+    assert ag.cancels == [("b", "k")], ag.events
+    assert ag.kinds() == ["warm_copy_deferred"], ag.events  # not a failure: no backoff, no failed event
+    ev = ag.events[0][1]
+    assert ev["cancelled"] is True and ev["dst"] == "b" and "on a" in ev["why"], ev
+    assert ag.counts == {"deferred": 1} and wc._failed == {} and wc.copying is None
+    wc.update()
+    assert len(ag.fetched) == 1 and "under way" in wc.last["why"], wc.last  # none starts beside it
+    ag.busy.clear()
+    clock.t += wc._config().prefetch.quiet_s
+    wc.update()  # the move is over and quiet: retried at once (not an interval later)
+    assert ag.fetched == [("b", "a", "k"), ("b", "a", "k")] and ag.kinds()[-1] == "warm_image_copied", ag.events
+    assert ag.counts == {"deferred": 1, "copied": 1}
+
+
+def test_the_rest_of_a_round_waits_too_and_never_starts_beside_the_move() -> None:
+    ag = _Agents({"a": {"k1", "k2"}, "b": set()}, busy=set())
+    wc, _clock = ag.copies()
+    wc.update()
+    assert len(ag.fetched) == 1, ag.fetched  # k2's copy did not start while the move runs
+    deferred = [f for k, f in ag.events if k == "warm_copy_deferred"]
+    assert [(f["key"], f["cancelled"]) for f in deferred] == [("k1", True), ("k2", False)], ag.events
+
+
+def test_with_yield_to_hosts_only_an_operation_on_the_copys_hosts_cancels_it() -> None:
+    ag = _Agents({"a": {"k"}, "b": set(), "c": set()}, busy=set(), begin="c", honours_cancel=False)
+    wc, _clock = ag.copies(scope="hosts", hosts={"a": "h1", "b": "h2", "c": "h3"})
+    ag.stop.set()  # the fetch goes on at once: the operation on c (another host) must not cancel it
+    wc.update()
+    assert ag.fetched == [("b", "a", "k")] and ag.cancels == [], ag.events
+    assert ag.kinds() == ["warm_image_copied"], ag.events
+    ag2 = _Agents({"a": {"k"}, "b": set()}, busy=set(), begin="b")
+    wc2, _clock = ag2.copies(scope="hosts", hosts={"a": "h1", "b": "h2"})
+    wc2.update()
+    assert ag2.cancels == [("b", "k")] and ag2.kinds() == ["warm_copy_deferred"], ag2.events
+
+
+def test_an_operation_whose_node_is_not_chosen_yet_cancels_a_copy_anywhere() -> None:
+    ag = _Agents({"a": {"k"}, "b": set()}, busy=set(), begin=ANY_NODE)
+    wc, _clock = ag.copies(scope="hosts", hosts={"a": "h1", "b": "h2"})
+    wc.update()
+    assert ag.cancels == [("b", "k")] and ag.kinds() == ["warm_copy_deferred"], ag.events
+
+
+def test_a_cancel_the_agent_ignores_is_not_waited_for_forever(monkeypatch) -> None:
+    import relocator.controller.warmcopies as WCM
+
+    monkeypatch.setattr(WCM, "CANCEL_WAIT_S", 0.05)
+    ag = _Agents({"a": {"k"}, "b": set()}, busy=set(), honours_cancel=False)
+    ag.stop = threading.Event()  # cancel sets it, but the fetch below never looks again
+    ag.fetch_done = threading.Event()
+
+    returned: list[bool] = []
+
+    def stubborn(dst: str, src: str, key: str) -> dict:
+        ag.fetched.append((dst, src, key))
+        ag.busy.add("a")
+        ag.fetch_done.wait(60)
+        returned.append(True)
+        return {"copied": True}
+
+    ag.fetch = stubborn  # type: ignore[method-assign]
+    wc, _clock = ag.copies()
+    wc.update()  # returns after CANCEL_WAIT_S, the copy still blocked
+    assert returned == [] and ag.cancels and ag.kinds() == ["warm_copy_deferred"], ag.events
+    assert not wc._running.is_set()
+    ag.fetch_done.set()
+
+
+def test_busy_nodes_names_the_nodes_of_every_operation_and_reads_nothing_when_idle() -> None:
+    from types import SimpleNamespace
+
+    from relocator.controller.claims import Claims
+
+    class NoStore:
+        def __getattr__(self, name):
+            raise AssertionError(f"the store was read ({name}) with nothing under way")
+
+    claims = Claims()
+    assert busy_nodes(claims, NoStore()) == set()
+    workers = {"w1": SimpleNamespace(node="n1"), "w2": SimpleNamespace(node="n2")}
+    rels = [SimpleNamespace(src="n1", dst="n3"), SimpleNamespace(src="n4", dst=None)]
+    store = SimpleNamespace(worker=workers.get, open_relocations=lambda: rels)
+    claims.busy |= {"w1"}
+    claims.placing |= {"w2"}  # a resume or launch claimed on n2
+    assert busy_nodes(claims, store) == {"n1", "n2", "n3", "n4", ANY_NODE}  # n4's move: target not chosen
+    rels.clear()
+    assert busy_nodes(claims, store) == {"n1", "n2"}
+    claims.placing.add("d9")  # a demand being seated: no record, its node not chosen
+    assert ANY_NODE in busy_nodes(claims, store)
+
+
+def test_copy_outcomes_are_counted_in_the_store_for_metrics() -> None:
+    from relocator.controller.store import Store
+
+    store = Store(":memory:")
+    count = stored_counter(store)
+    for outcome in ("copied", "deferred", "deferred"):
+        count(outcome)
+    assert {r["outcome"]: r["n"] for r in store.all(COUNTS)} == {"copied": 1, "deferred": 2}
+
+
+def test_the_agent_stops_a_copy_ahead_of_need_on_cancel_and_drops_its_partial_image(tmp_path, monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from relocator.agent import warmcopy as A
+    from relocator.warm.store import ImageStore
+
+    store = ImageStore(tmp_path / "s", 10_000)
+    key = "vllm-0.1-" + "a" * 32
+    started, end = threading.Event(), threading.Event()
+
+    class Ops(A.WarmCopyOps):
+        node = "b"
+        warm = SimpleNamespace(store=lambda cfg: store)
+
+    def receive(self, store, src, key, chunk_bytes, background, stop):  # the real one pulls from Ray
+        staged = store.staging(key)
+
+        def chunks():
+            started.set()
+            while not end.is_set():
+                yield ("pages-1.img", 0, b"x", None)
+                time.sleep(0.005)
+
+        try:
+            for name, _off, data, _d in A.until_cancelled(chunks(), stop, f"warm image {key}"):
+                with open(staged / name, "ab") as fh:
+                    fh.write(data)
+        except BaseException:
+            store.discard(staged)
+            raise
+
+    monkeypatch.setattr(Ops, "_receive", receive)
+    ops, box = Ops(), {}
+
+    def run(background: bool) -> None:
+        try:
+            box["got"] = ops.fetch_warm("a", key, background=background)
+        except Exception as exc:  # noqa: BLE001 - what the test checks
+            box["got"] = exc
+
+    t = threading.Thread(target=run, args=(True,))
+    t.start()
+    assert started.wait(60)
+    assert ops.cancel_warm_copy(key) is True
+    t.join(60)
+    assert isinstance(box["got"], A.CopyCancelled), box
+    assert list((store.root / "tmp").iterdir()) == [] and store.list() == []  # nothing partial left
+    assert ops.cancel_warm_copy(key) is False  # none runs now
+    # an on-demand copy (a start waits for it) is not the controller's to cancel
+    started.clear()
+    t = threading.Thread(target=run, args=(False,))
+    t.start()
+    assert started.wait(60)
+    assert ops.cancel_warm_copy(key) is False
+    t.join(0.2)
+    alive = t.is_alive()
+    end.set()
+    t.join(60)
+    assert alive, box  # it went on copying after the cancel
+
+
+def test_the_copy_outcomes_are_a_prometheus_counter() -> None:
+    from relocator.controller.metrics import ControllerCollector
+    from relocator.controller.store import Store
+
+    store = Store(":memory:")
+    stored_counter(store)("deferred")
+    (fam,) = ControllerCollector.warm_metrics(store)
+    samples = {(s.name, s.labels["outcome"]): s.value for s in fam.samples}
+    assert samples == {("relocator_warm_copies_total", "deferred"): 1}, samples

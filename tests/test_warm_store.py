@@ -211,6 +211,9 @@ class _FakeCell:
     def is_stopped(self) -> bool:
         return False
 
+    def pids(self) -> list[int]:
+        return []
+
 
 def test_capture_files_a_kind_once(store: ImageStore, monkeypatch: pytest.MonkeyPatch) -> None:
     dumps: list[Path] = []
@@ -279,3 +282,39 @@ def test_the_key_of_a_launch_is_the_key_of_the_cell_it_starts(monkeypatch: pytes
     cell = _FakeCell()
     cell.launch = {**spec_to_dict(spec), "host": "0.0.0.0"}  # as launch_worker records it
     assert start.key_for_launch(spec, "vllm") == capture_mod.key_of_cell(cell, fp)
+
+
+def test_room_is_checked_before_a_copy_or_a_capture_writes_a_byte(store: ImageStore, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil as sh
+
+    from relocator.warm import store as store_mod
+
+    store.check_room(9_000)  # empty: fits
+    with pytest.raises(StoreFull, match="exceeds the store's bound"):
+        store.check_room(20_000)
+    key = _key()
+    store.put(key, _fake_image(tmp_path / "a", size=6000))
+    store.check_room(9_000)  # the image in store is unused: evicted at commit, so it fits
+    with store.use(key):
+        with pytest.raises(StoreFull, match="used by images in use"):
+            store.check_room(5_000)  # a full store: the bound held by an image being restored from
+    real = sh.disk_usage
+    monkeypatch.setattr(store_mod.shutil, "disk_usage",
+                        lambda p: real(p)._replace(free=store_mod.FS_HEADROOM_BYTES + 100))
+    with pytest.raises(StoreFull, match="filesystem"):
+        store.check_room(1_000)  # the tmpfs itself is full: refused before the staging fills it
+
+
+def test_a_capture_into_a_full_store_dumps_nothing(store: ImageStore, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from relocator import procs
+
+    key = _key(weights="other")
+    store.put(key, _fake_image(tmp_path / "a", weights="other", size=8000))
+    monkeypatch.setattr(capture_mod, "fingerprint_of", lambda _c: _fingerprint())
+    monkeypatch.setattr(capture_mod, "_dump_running", lambda *a: pytest.fail("dumped into a full store"))
+    monkeypatch.setattr(procs, "rss_bytes", lambda pids: 8000)
+    with store.use(key), pytest.raises(StoreFull):
+        capture_mod.capture(_FakeCell(), store)
+    assert [e.key for e in store.list()] == [key] and list((store.root / "tmp").iterdir()) == []

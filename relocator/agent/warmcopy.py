@@ -55,6 +55,31 @@ def pulled_chunks(gen: Any) -> Iterator[tuple]:
             yield (name, offset, memoryview(data), digest)
 
 
+class CopyCancelled(RuntimeError):
+    """A copy ahead of need stopped because the controller asked (a move or a start began)."""
+
+
+def _ray_cancelled() -> bool:
+    """Whether Ray cancelled the task this runs in (ray.cancel of a threaded actor's task only
+    sets a flag); False outside a Ray task."""
+    try:
+        import ray
+
+        # outside Ray (a unit test) get_runtime_context would connect to a cluster first
+        return ray.is_initialized() and bool(ray.get_runtime_context().is_canceled())
+    except Exception:  # noqa: BLE001 - a driver, not a task
+        return False
+
+
+def until_cancelled(chunks: Iterator[tuple], stop: threading.Event, what: str) -> Iterator[tuple]:
+    """`chunks` until `stop` is set or Ray cancels this task: then CopyCancelled (the receiver
+    drops what it wrote)."""
+    for chunk in chunks:
+        if stop.is_set() or _ray_cancelled():
+            raise CopyCancelled(f"{what}: cancelled (a relocation or a start began)")
+        yield chunk
+
+
 def peer_nodes(me: str) -> list[str]:
     """The nodes whose agents run in this cluster (their named actors), this one left out."""
     import ray
@@ -67,6 +92,16 @@ def peer_nodes(me: str) -> list[str]:
                   if a.get("namespace") == NAMESPACE and a["name"].startswith(prefix) and a["name"] != agent_name(me))
 
 
+def _stop_stream(gen: Any) -> None:
+    """Stop the holder's side of a copy that ended early (its task sees Ray's cancel flag)."""
+    try:
+        import ray
+
+        ray.cancel(gen)
+    except Exception as exc:  # noqa: BLE001 - it ends when the generator is collected anyway
+        log.info("warm copy stream not cancelled: %s", exc)
+
+
 class WarmCopyOps:
     """The agent's side of copying warm images (mixed into NodeAgent, which gives `node`,
     `warm` (relocator.warm.launch.WarmStarts))."""
@@ -75,6 +110,7 @@ class WarmCopyOps:
     warm: Any
     _copy_guard = threading.Lock()
     _copying: dict[str, threading.Lock] = {}
+    _cancels: dict[str, threading.Event] = {}  # key -> set to stop its copy ahead of need
 
     def warm_keys(self) -> list[str]:
         """The keys of this node's warm images."""
@@ -94,41 +130,68 @@ class WarmCopyOps:
             if entry is None:
                 raise NoWarmImage(f"node {self.node} holds no warm image {key}")
             with this_thread_niced(19 if background else None):
-                yield from batched_arrays(iter_chunks(entry.path, chunk_bytes), chunk_bytes)
+                for batch in batched_arrays(iter_chunks(entry.path, chunk_bytes), chunk_bytes):
+                    if _ray_cancelled():  # the receiver gave up (ray.cancel): let the image go
+                        return
+                    yield batch
 
     def fetch_warm(self, src_node: str, key: str, chunk_bytes: int = 16 << 20,
                    background: bool = True) -> dict[str, Any]:
         """Copy the image of `key` from `src_node`'s store into this node's: {copied, bytes,
-        seconds, why}. Verified before it is filed (StoreFull, ImageError or TransferError
-        raise and leave nothing); one copy of a key at a time on this node. `background` (ahead
-        of need) runs both ends at nice 19; a start waiting for it (on demand) does not."""
-        import ray
-
-        from relocator.agent.names import NAMESPACE, agent_name
-        from relocator.agent.transfer import receive_chunks
+        seconds, why}. The store's room is checked first (StoreFull before a byte travels), the
+        image verified before it is filed (ImageError or TransferError raise and leave nothing);
+        one copy of a key at a time on this node. `background` (ahead of need) runs both ends at
+        nice 19 and stops on `cancel_warm_copy` (CopyCancelled, nothing left); a start waiting
+        for it (on demand) does neither."""
         from relocator.warm.config import WarmConfig
 
-        store = self.warm.store(WarmConfig.load())
-        with self._copy_lock(key):
-            if store.path_of(key).is_dir():
-                return {"copied": False, "key": key, "from": src_node, "why": "already here"}
-            t0 = time.monotonic()
-            src = ray.get_actor(agent_name(src_node), namespace=NAMESPACE)
-            gen = src.stream_warm.options(num_returns="streaming", _generator_backpressure_num_objects=4).remote(
-                key, chunk_bytes, background)
-            staged = store.staging(key)
-            with this_thread_niced(19 if background else None):  # hashing 1 GB is CPU
-                try:
-                    staged.rmdir()  # receive_chunks makes it, and removes it on any failure
-                    got = receive_chunks(pulled_chunks(gen), staged)
-                except BaseException:
-                    store.discard(staged)
-                    raise
-                entry = store.commit(key, staged)
+        stop = self._cancel_event(key) if background else threading.Event()
+        try:
+            store = self.warm.store(WarmConfig.load())
+            with self._copy_lock(key):
+                if store.path_of(key).is_dir():
+                    return {"copied": False, "key": key, "from": src_node, "why": "already here"}
+                if stop.is_set():
+                    raise CopyCancelled(f"warm image {key} from {src_node}: cancelled before it began")
+                t0 = time.monotonic()
+                got, entry = self._receive(store, src_node, key, chunk_bytes, background, stop)
+        finally:
+            if background:
+                with self._copy_guard:
+                    if self._cancels.get(key) is stop:
+                        self._cancels.pop(key, None)
         secs = time.monotonic() - t0
         log.info("warm image %s copied from %s: %d bytes in %.2fs", key, src_node, entry.bytes, secs)
         return {"copied": True, "key": key, "from": src_node, "bytes": entry.bytes, "seconds": round(secs, 3),
                 "gb_per_s": got.get("gb_per_s")}
+
+    def _receive(self, store: Any, src_node: str, key: str, chunk_bytes: int, background: bool,
+                 stop: threading.Event) -> tuple[dict, Any]:
+        """The transfer itself: room checked, chunks pulled until done or `stop`, filed."""
+        import ray
+
+        from relocator.agent.names import NAMESPACE, agent_name
+        from relocator.agent.transfer import receive_chunks
+        from relocator.warm.start import NoWarmImage
+
+        src = ray.get_actor(agent_name(src_node), namespace=NAMESPACE)
+        size = ray.get(src.warm_bytes.remote(key), timeout=PEER_ASK_S)
+        if size is None:
+            raise NoWarmImage(f"node {src_node} holds no warm image {key}")
+        store.check_room(int(size))
+        gen = src.stream_warm.options(num_returns="streaming", _generator_backpressure_num_objects=4).remote(
+            key, chunk_bytes, background)
+        staged = store.staging(key)
+        with this_thread_niced(19 if background else None):  # hashing 1 GB is CPU
+            try:
+                staged.rmdir()  # receive_chunks makes it, and removes it on any failure
+                got = receive_chunks(until_cancelled(pulled_chunks(gen), stop, f"warm image {key} from {src_node}"),
+                                     staged)
+            except BaseException:
+                store.discard(staged)
+                _stop_stream(gen)
+                raise
+            return got, store.commit(key, staged)
 
     def fetch_warm_from_peers(self, key: str) -> dict[str, Any] | None:
         """A start's on-demand copy: the image of `key` from the first peer that holds it, or
@@ -146,6 +209,28 @@ class WarmCopyOps:
             except Exception as exc:  # noqa: BLE001 - that peer is gone or failed: ask the next
                 log.warning("warm image %s not fetched from %s: %s", key, peer, exc)
         return None
+
+    def warm_bytes(self, key: str) -> int | None:
+        """The size of this node's image of `key` (None: none here): a copy checks room first."""
+        from relocator.warm.config import WarmConfig
+
+        store = self.warm.store(WarmConfig.load())
+        return next((e.bytes for e in store.list() if e.key == key), None)
+
+    def cancel_warm_copy(self, key: str) -> bool:
+        """Stop this node's copy ahead of need of `key` (the controller: a move or a start began);
+        its partial image is dropped. False when none runs."""
+        with self._copy_guard:
+            ev = self._cancels.get(key)
+        if ev is None:
+            return False
+        ev.set()
+        return True
+
+    def _cancel_event(self, key: str) -> threading.Event:
+        with self._copy_guard:
+            ev = self._cancels[key] = threading.Event()
+        return ev
 
     def _copy_lock(self, key: str) -> threading.Lock:
         with self._copy_guard:

@@ -117,7 +117,7 @@ class Controller:
     def _wire_warm_copies(self) -> None:
         """Warm images kept on `prefetch.copies` other nodes, other hosts first (warmcopies.py)."""
         from relocator.controller.inventory import ray_hosts
-        from relocator.controller.warmcopies import WarmCopies
+        from relocator.controller.warmcopies import WarmCopies, busy_nodes, stored_counter
 
         live = lambda: {n.id: n.ray_node_id for n in self.nodes.inventory().values() if n.alive}  # noqa: E731
         agents = getattr(self.backend, "agents", None)  # a fake backend (without_ray) has none
@@ -125,7 +125,8 @@ class Controller:
             nodes=lambda: list(live()) if agents is not None else [], keys=lambda n: agents.warm_keys(n),
             fetch=lambda dst, src, key: agents.fetch_warm(dst, src, key), emit=self.emit,
             host_of=lambda: ray_hosts(live()), cordoned=self.cordoned,
-            busy=lambda: bool(self.claims.placing or self.store.open_relocations()))
+            busy=lambda: busy_nodes(self.claims, self.store), count=stored_counter(self.store),
+            cancel=lambda dst, key: agents.call(dst, lambda a: a.cancel_warm_copy.remote(key), "cancel_warm_copy", 10))
         self.workers.image_holders = self.warm_copies.holders_of
 
     def warm_image_for(self, worker_id: str, node: str) -> dict[str, Any]:

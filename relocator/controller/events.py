@@ -55,6 +55,9 @@ class EventKind(Choice):
     # warm images copied ahead of need (controller/warmcopies.py): key, src, dst, bytes, seconds | error
     WARM_IMAGE_COPIED = "warm_image_copied"
     WARM_COPY_FAILED = "warm_copy_failed"
+    # a copy ahead of need that gave way to a relocation or a start: key, src, dst, why,
+    # cancelled (true: it was running, its transfer stopped and partial image dropped); retried later
+    WARM_COPY_DEFERRED = "warm_copy_deferred"
 
 
 def json_line_logger(path: Path | None) -> None:

@@ -60,6 +60,7 @@ class ControllerCollector:
         workers = self.store.workers()
         yield from self.relocation_metrics(rels)
         yield from self.policy_metrics(self.store)
+        yield from self.warm_metrics(self.store)
         yield from self.worker_metrics(workers, {r.engine for r in rels if r.engine})
         yield from self.demand_metrics(self.store.demands(), workers)
         try:
@@ -171,6 +172,16 @@ class ControllerCollector:
         for g in store.all("gpu_health"):
             gpus.add_metric([g["node"], str(g["gpu"]), g["state"]], 1)
         yield gpus
+
+    @staticmethod
+    def warm_metrics(store: Store) -> Iterator[Metric]:
+        """Warm image copies ahead of need by outcome (relocator.controller.warmcopies, stored)."""
+        copies = CounterMetricFamily("relocator_warm_copies", "Warm image copies ahead of need, by outcome "
+                                     "(copied, failed, deferred: gave way to a relocation or a start)",
+                                     labels=["outcome"])
+        for row in store.all("warm_copies"):  # relocator.controller.warmcopies.COUNTS
+            copies.add_metric([row["outcome"]], row["n"])
+        yield copies
 
     @staticmethod
     def node_metrics(nodes: dict[str, NodeInfo]) -> Iterator[Metric]:

@@ -73,7 +73,7 @@ def dump_staged(cell: Cell, store: ImageStore, progress: Progress = _noop,
                 key: str | None = None) -> Staged | Entry:
     """The part of a capture the worker waits for: its freeze for the leave-running dump.
     Returns the stored entry when its kind has one already (nothing dumped), else the staged
-    dump for `file_staged` (which may run while the worker serves)."""
+    dump for `file_staged` (which may run while the worker serves). StoreFull: no room."""
     if not cell.is_alive() or cell.is_stopped():
         raise CellError(f"cell {cell.id} is not running; a warm image is taken of a running worker")
     if not cell.launch:
@@ -84,6 +84,9 @@ def dump_staged(cell: Cell, store: ImageStore, progress: Progress = _noop,
     existing = store.get(key)
     if existing is not None:
         return existing
+    # a full store (or tmpfs) refuses before the dump writes a byte; half the RSS is a floor of
+    # the image (measured 0.67-0.72 of it), so a capture that fits is never refused here
+    store.check_room(procs.rss_bytes(cell.pids()) // 2)
     staged = store.staging(key)
     timings: dict[str, float] = {}
     try:

@@ -40,6 +40,13 @@ class CaptureSection(_Section):
     enabled: bool = True
 
 
+class YieldScope(Choice):
+    """Which operations a copy ahead of need gives way to (it is cancelled and retried later)."""
+
+    CLUSTER = "cluster"  # any relocation, suspend, resume or start anywhere (emulated hosts share CPUs)
+    HOSTS = "hosts"  # one on a node of the copy's source's or target's host
+
+
 class PrefetchSection(_Section):
     #: other nodes (other hosts first) that get a copy of every image ahead of need
     copies: int = Field(1, ge=0, le=15)
@@ -47,6 +54,11 @@ class PrefetchSection(_Section):
     on_demand: bool = True
     #: how often the controller looks for images held by too few nodes (seconds)
     interval_s: float = Field(10.0, gt=0)
+    #: a copy ahead of need starts only after this long with no operation under way (moves come
+    #: in bursts: one that starts right after a copy began would pay for it)
+    quiet_s: float = Field(5.0, ge=0)
+    #: which operations cancel a running copy ahead of need (and keep new ones from starting)
+    yield_to: YieldScope = YieldScope.CLUSTER
 
 
 class WarmConfig(BaseSettings):

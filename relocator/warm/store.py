@@ -25,6 +25,8 @@ from relocator.warm.key import is_key, key_of_manifest, kind_of
 
 #: staging directories older than this are what a crashed put left behind
 STALE_STAGING_S = 3600.0
+#: free space a copy or a capture leaves on the store's filesystem (a tmpfs is shared memory)
+FS_HEADROOM_BYTES = 64 << 20
 
 
 class StoreFull(RuntimeError):
@@ -156,6 +158,28 @@ class ImageStore:
                 used -= entry.bytes
         if used + size > self.max_bytes:
             raise StoreFull(f"no room for {size} bytes: {used} of {self.max_bytes} used by images in use")
+
+    def check_room(self, size: int) -> None:
+        """StoreFull unless an image of `size` bytes can be filed now: under the bound once every
+        unused image is evicted, and free on the store's filesystem (the staging is written
+        before anything is evicted; on a tmpfs that is memory). Checked before a copy or a
+        capture writes a byte, so a full store never costs a transfer or fills the tmpfs."""
+        if size > self.max_bytes:
+            raise StoreFull(f"an image of {size} bytes exceeds the store's bound of {self.max_bytes} bytes")
+        pinned = sum(e.bytes for e in self.list() if self._in_use(e.key))
+        if pinned + size > self.max_bytes:
+            raise StoreFull(f"no room for {size} bytes: {pinned} of {self.max_bytes} used by images in use")
+        free = shutil.disk_usage(self.root).free
+        if free < size + FS_HEADROOM_BYTES:
+            raise StoreFull(f"no room for {size} bytes: the store's filesystem ({self.root}) has {free} bytes free "
+                            f"(needs {FS_HEADROOM_BYTES} spare)")
+
+    def _in_use(self, key: str) -> bool:
+        lock = self._key_lock(key, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if lock is None:
+            return True
+        lock.close()
+        return False
 
     # -- reading -------------------------------------------------------------------------------
     def get(self, key: str) -> Entry | None:
