@@ -124,7 +124,8 @@ def relocator_cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFac
         yield ctl
     finally:
         ctl.down()
-        shutil.rmtree(base, ignore_errors=True)
+        if os.environ.get("RELOCATOR_KEEP_TEST_CLUSTER") != "1":  # set it to read the logs after
+            shutil.rmtree(base, ignore_errors=True)
 
 
 # --- issue 17: emulated hosts (own network + mount namespaces each), relocator deployed on them ---
