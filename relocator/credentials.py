@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import ssl
 from pathlib import Path
@@ -24,6 +25,7 @@ ENV_DIR = "RELOCATOR_CREDENTIALS"  # a node's credentials directory (what `insta
 ENV_KEY = "RELOCATOR_IMAGE_KEY"  # by-hand commands: the image key itself, instead of a directory
 ENV_INSECURE = "RELOCATOR_INSECURE_TRANSFERS"  # by-hand commands only: "1" = plaintext transfers
 ENV_MACHINE_KEY = "RELOCATOR_MACHINE_KEY_FILE"  # by-hand commands: this machine's own image key
+ENV_MOVE = "RELOCATOR_MOVE_CREDENTIALS"  # one move's own transfer credentials (make_move), for its children
 CA, CERT, KEY, IMAGE_KEY = "ca.pem", "node.pem", "node.key", "image.key"
 CLUSTER_FILE = "cluster-credentials.json"  # `up`: the cluster's CA key and image key, 0600
 FIX = ("run it under `relocator up` or `relocator deploy` (they give every agent its credentials), or "
@@ -102,6 +104,34 @@ def for_node(cluster: dict[str, str] | None, node: str) -> dict[str, str] | None
             "key": _pem_key(key), "image_key": cluster["image_key"]}
 
 
+def make_move() -> dict[str, Any]:
+    """One move's transfer identity, made by the agent that listens (the stream's target, the
+    post-copy's source): a CA for this move only, whose key signs one certificate for each end
+    and is then dropped, so nothing can sign another. {id, listener, peer}: each a bundle
+    {id, ca_cert, cert, key}; the peer's travels to the other agent with the move's offer.
+    A listener trusts this move's CA only: a certificate of the cluster, or of an earlier move
+    (a replayed credential), fails the handshake."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    ident = secrets.token_hex(8)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    cn = f"relocator move {ident} CA"
+    ca_cert = _cert(cn, _name(cn), ca_key.public_key(), ca_key, ca=True)
+    out: dict[str, Any] = {"id": ident}
+    for end in ("listener", "peer"):
+        key = ec.generate_private_key(ec.SECP256R1())
+        out[end] = {"id": ident, "ca_cert": ca_cert, "key": _pem_key(key),
+                    "cert": _cert(f"relocator move {ident} {end}", _name(cn), key.public_key(), ca_key, ca=False)}
+    return out
+
+
+def cert_sha256(pem: str) -> str:
+    """The sha256 of a PEM certificate's DER form (what a TLS peer presents), stdlib only."""
+    import hashlib
+
+    return hashlib.sha256(ssl.PEM_cert_to_DER_cert(pem)).hexdigest()
+
+
 def for_nodes(cluster: dict[str, str], nodes: list[str]) -> dict[str, dict[str, str]]:
     """Every node's bundle, made where the CA key is (up, deploy): the CA key itself never goes
     to the controller or the agents."""
@@ -146,6 +176,58 @@ def install(bundle: dict[str, str], directory: str | Path, export: bool = True) 
     if export:
         os.environ[ENV_DIR] = str(d)
     return d
+
+
+# -- a move's own credentials (make_move): on disk only while the move needs them ---------------
+MOVE_NAME = re.compile(r"^[0-9a-f]{16}$")  # make_move's ids: what the sweep may remove
+
+
+def moves_dir() -> Path:
+    from relocator.paths import state_dir
+
+    return state_dir() / "move-credentials"
+
+
+def install_move(bundle: dict[str, str], base: Path | None = None) -> Path:
+    """Write one end's move bundle to <state dir>/move-credentials/<id>/ (0700; files 0600),
+    laid out as a node's (ca.pem, node.pem, node.key), so tls_files(that dir) serves CRIU and ssl."""
+    ident = str(bundle.get("id", ""))
+    if not MOVE_NAME.match(ident):
+        raise CredentialsError(f"a move credential with a malformed id {ident!r}")
+    root = base or moves_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    os.chmod(root, 0o700)
+    d = root / ident
+    d.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(d, 0o700)
+    for name, field in ((CA, "ca_cert"), (CERT, "cert"), (KEY, "key")):
+        _write_private(d / name, bundle[field])
+    return d
+
+
+def remove_move(directory: str | Path | None) -> None:
+    """Remove a move's credentials directory (its key is useless from then on anyway)."""
+    if not directory:
+        return
+    d = Path(directory)
+    if d.is_symlink() or not d.is_dir():
+        return
+    for p in d.iterdir():
+        if p.is_file() and not p.is_symlink():
+            p.unlink(missing_ok=True)
+    try:
+        d.rmdir()
+    except OSError:
+        pass
+
+
+def move_context(bundle: dict[str, str], server: bool) -> ssl.SSLContext:
+    """An ssl context holding one end's move bundle (the files live only while it loads)."""
+    d = install_move(bundle)
+    try:
+        return _context(server, str(d))  # type: ignore[return-value]
+    finally:
+        remove_move(d)
 
 
 # -- using them (agents, CRIU, keeper, pump, manifests) ----------------------------------------
@@ -203,10 +285,12 @@ def insecure() -> bool:
     return os.environ.get(ENV_INSECURE) == "1" and _dir() is None
 
 
-def tls_files() -> tuple[str, str, str] | None:
-    """(CA, certificate, key) paths of this node; None only under the by-hand opt-out;
-    CredentialsError naming what is missing otherwise (never a silent plaintext transfer)."""
-    d = _dir()
+def tls_files(directory: str | Path | None = None) -> tuple[str, str, str] | None:
+    """(CA, certificate, key) paths: of `directory` (a move's, install_move), else of the move
+    RELOCATOR_MOVE_CREDENTIALS names (the keeper and pump of a move), else this node's; None
+    only under the by-hand opt-out; CredentialsError naming what is missing otherwise (never a
+    silent plaintext transfer)."""
+    d = Path(directory) if directory else Path(os.environ[ENV_MOVE]) if os.environ.get(ENV_MOVE) else _dir()
     if d is None:
         if insecure():
             return None
@@ -219,20 +303,21 @@ def tls_files() -> tuple[str, str, str] | None:
     return str(paths[0]), str(paths[1]), str(paths[2])
 
 
-def criu_tls_args() -> list[str]:
+def criu_tls_args(directory: str | Path | None = None) -> list[str]:
     """CRIU's TLS options for a page server, dump or lazy-pages daemon that talks to another
     node. CRIU (criu/tls.c) requires and verifies the peer's certificate against --tls-cacert on
     both sides; --tls-no-cn-verify because a peer is a member of the cluster (signed by its CA),
-    not a host name (CRIU would match the server's own listen address against the client)."""
-    files = tls_files()
+    not a host name (CRIU would match the server's own listen address against the client).
+    `directory`: a move's own credentials (install_move) instead of the node's."""
+    files = tls_files(directory)
     if files is None:
         return []
     ca, cert, key = files
     return ["--tls", "--tls-cacert", ca, "--tls-cert", cert, "--tls-key", key, "--tls-no-cn-verify"]
 
 
-def _context(server: bool) -> ssl.SSLContext | None:
-    files = tls_files()
+def _context(server: bool, directory: str | None = None) -> ssl.SSLContext | None:
+    files = tls_files(directory)
     if files is None:
         return None
     ca, cert, key = files

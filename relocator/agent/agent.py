@@ -52,6 +52,10 @@ class NodeAgent(ModeOps, WarmCopyOps):  # every transfer mode's ops, warm image 
         self.images_dir = Path(images_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.images_dir.mkdir(parents=True, exist_ok=True)
+        from relocator.agent.sweep import sweep
+
+        # unix sockets and move credentials that crashed moves left (only ours, old, unused)
+        self.swept = sweep(self.state_dir)
         self._locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
         self._guard = threading.Lock()
         # transfers in progress (relocator.agent.pagestream / postcopy): page servers by target
@@ -108,7 +112,7 @@ class NodeAgent(ModeOps, WarmCopyOps):  # every transfer mode's ops, warm image 
     # -- reporting --------------------------------------------------------------------------
     def ping(self) -> dict[str, Any]:
         return {"node": self.node, "pid": os.getpid(), "adopted": self.adopted,
-                "started_at": self.started_at, "state_dir": str(self.state_dir)}
+                "started_at": self.started_at, "state_dir": str(self.state_dir), "swept": self.swept}
 
     def gpus(self) -> list[dict[str, Any]]:
         """This node's real GPUs through NVML (index, UUID, model, memory); [] where there are
@@ -232,15 +236,17 @@ class NodeAgent(ModeOps, WarmCopyOps):  # every transfer mode's ops, warm image 
 
     def dump(self, cell_id: str, image_dir: str, page_server: dict | None = None) -> dict[str, Any]:
         """Checkpoint a cell into `image_dir`; with `page_server` ({address, port}: the target's,
-        see open_page_server) its memory goes straight there and only the small images stay."""
+        see open_page_server) its memory goes straight there and only the small images stay.
+        Its `credential` (this move's, made by the target) is on disk only during the dump."""
         from relocator.agent import locallink
+        from relocator.agent.front import move_credential
         from relocator.cell.cell import load_cell
         from relocator.snapshot import dump
 
         with self._lock(cell_id):
             t0 = time.monotonic()
-            with locallink.route(page_server) as ps:  # a unix socket on one host, else TLS
-                img = dump(load_cell(cell_id), Path(image_dir), page_server=ps)
+            with locallink.route(page_server) as ps, move_credential(page_server, ps) as tls_dir:
+                img = dump(load_cell(cell_id), Path(image_dir), page_server=ps, tls_dir=tls_dir)
             return {"image_dir": str(img.path), "bytes": img.bytes, "seconds": round(time.monotonic() - t0, 3),
                     "timings": img.manifest.timings, "pages": img.manifest.pages.value}
 

@@ -22,6 +22,9 @@ from typing import Callable
 from relocator.snapshot.manifest import FileEntry
 
 CHUNK = 4 << 20
+#: how long the TLS front waits for the move's dump to connect (the controller dumps right after
+#: opening the page server; a move given up meanwhile aborts it sooner)
+FRONT_ACCEPT_S = 300.0
 
 
 def is_page_file(name: str) -> bool:
@@ -107,6 +110,8 @@ class PageReceiver:
         self.started_at = 0.0
         self.unix = None  # locallink.UnixOffer: the same-host route, when the dump takes it
         self.link = "tls"
+        self.front = None  # relocator.agent.front.Front: the TLS route's port, before CRIU
+        self.move: dict | None = None  # this move's credentials (make_move): the peer's goes in the offer
         self._swap = threading.Lock()  # the offer's thread swaps page servers; abort() must not miss one
         self._aborted = False
 
@@ -115,7 +120,7 @@ class PageReceiver:
 
         if self.image_dir.exists() and any(self.image_dir.iterdir()):
             raise FileExistsError(f"{self.image_dir} is not empty")
-        self.proc, self.port = criu.page_server(self.image_dir, self.address)
+        self._open_network_route()
         self.started_at = time.monotonic()
         from relocator.agent import locallink
 
@@ -131,10 +136,46 @@ class PageReceiver:
             self.hasher.start()
         return self
 
+    def _open_network_route(self) -> None:
+        """The page server for a dump of another host: CRIU on a socket pair behind a TLS front
+        (relocator.agent.front) that admits only the holder of this move's peer credential,
+        each connection's handshake bounded; plaintext CRIU on the port under the by-hand
+        opt-out only (no credentials: RELOCATOR_INSECURE_TRANSFERS=1)."""
+        import socket
+
+        from relocator import credentials
+        from relocator.snapshot import criu
+
+        if credentials.tls_files() is None:  # CredentialsError without any
+            self.proc, self.port = criu.page_server(self.image_dir, self.address)
+            return
+        self.move = credentials.make_move()
+        ours, criu_end = socket.socketpair()
+        try:
+            self.proc = criu.page_server_on(self.image_dir, criu_end.fileno())
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            criu_end.close()  # CRIU has its copy
+        from relocator.agent.front import start_for
+
+        try:
+            self.front = start_for(self.address, self.move["listener"], ours, peer_cert=self.move["peer"]["cert"],
+                                   accept_s=FRONT_ACCEPT_S)
+        except BaseException:
+            ours.close()
+            self.proc.kill()
+            raise
+        self.port = self.front.port
+
     def offer(self) -> dict:
         """What the source's dump needs: the TLS page server's address and port, and the unix
         socket a dump of this host uses instead (relocator.agent.locallink)."""
-        return {"address": self.address, "port": self.port, **(self.unix.offer() if self.unix else {})}
+        out = {"address": self.address, "port": self.port, **(self.unix.offer() if self.unix else {})}
+        if self.move:  # the dump's end of this move's credential (relocator.credentials.make_move)
+            out["credential"] = self.move["peer"]
+        return out
 
     def _take_unix(self, conn) -> None:
         from relocator.snapshot import criu
@@ -144,6 +185,8 @@ class PageReceiver:
                 return
             tls, self.proc = self.proc, criu.page_server_on(self.image_dir, conn.fileno())
             self.link = "unix"
+        if self.front is not None:
+            self.front.close()
         tls.kill()
 
     def finish(self, timeout: float = 120.0) -> dict:
@@ -162,8 +205,10 @@ class PageReceiver:
             self.proc.kill()
             raise TransferError(f"the page server in {self.image_dir} did not end within {timeout:.0f}s "
                                 "(the dump never finished sending)") from None
+        front = self._front_info()
         if rc != 0:
-            raise TransferError(f"the page server in {self.image_dir} failed (exit {rc}): the memory did not "
+            why = f" ({self.front.why()})" if self.front is not None and self.link == "tls" else ""
+            raise TransferError(f"the page server in {self.image_dir} failed (exit {rc}){why}: the memory did not "
                                 f"all arrive\n{criu._log_tail(self.image_dir / 'page-server.log')}")
         t = time.monotonic()
         files = self.hasher.result() if self.hasher else _hash_now(self.image_dir)
@@ -173,7 +218,14 @@ class PageReceiver:
             raise TransferError("streamed memory incomplete: " + "; ".join(problems[:3]))
         return {"files": files, "page_bytes": sum(f.size for f in files.values()),
                 "page_server_s": round(t - self.started_at, 3), "hash_tail_s": round(hash_tail_s, 3),
-                "link": self.link}
+                "link": self.link, **front}
+
+    def _front_info(self) -> dict:
+        """The TLS front's account once the dump ended: who got in, how many were refused."""
+        if self.front is None or self.link != "tls":
+            return {}
+        self.front.join(10.0)
+        return {"front_refused": self.front.refused, "front_last_refused": self.front.last_refused}
 
     def abort(self) -> None:
         if self.unix is not None:
@@ -182,6 +234,8 @@ class PageReceiver:
             self._aborted = True
             if self.proc is not None:
                 self.proc.kill()
+        if self.front is not None:
+            self.front.close()
         if self.hasher is not None:
             self.hasher._done.set()
 

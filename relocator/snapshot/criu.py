@@ -83,7 +83,7 @@ def _dump_cmd(pid: int, image_dir: Path, netns_inode: int, leave_stopped: bool,
 
 def dump(pid: int, image_dir: Path, netns_inode: int, leave_stopped: bool = True,
          extra_args: Sequence[str] = (), page_server: tuple[str, int] | int | None = None,
-         leave_running: bool = False) -> DumpResult:
+         leave_running: bool = False, tls_dir: str | None = None) -> DumpResult:
     """Checkpoint the tree rooted at host `pid` into `image_dir`.
 
     The cell's network namespace is marked external (it is recreated on the target, with its own
@@ -94,6 +94,8 @@ def dump(pid: int, image_dir: Path, netns_inode: int, leave_stopped: bool = True
     cluster's certificates (relocator.credentials); only the other, small images are written
     to `image_dir`. An int: a connected unix socket to a page server of this host instead,
     passed with `--ps-socket`, plaintext (the kernel authenticated its ends).
+    `tls_dir`: the move's own credentials (relocator.credentials.install_move) instead of the
+    node's: the target's front admits only them.
     """
     image_dir.mkdir(parents=True, exist_ok=True)
     cmd = _dump_cmd(pid, image_dir, netns_inode, leave_stopped, extra_args, leave_running)
@@ -102,7 +104,7 @@ def dump(pid: int, image_dir: Path, netns_inode: int, leave_stopped: bool = True
         cmd += ["--page-server", "--ps-socket", str(page_server)]  # (relocator.agent.locallink)
         fds = (page_server,)
     elif page_server is not None:  # TLS, both ends authenticated by the cluster's CA
-        cmd += ["--page-server", "--address", page_server[0], "--port", str(page_server[1]), *_tls()]
+        cmd += ["--page-server", "--address", page_server[0], "--port", str(page_server[1]), *_tls(tls_dir)]
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, pass_fds=fds)
     took = time.monotonic() - start
@@ -275,11 +277,12 @@ def _start_on_free_port(make: Callable[[int], CriuProcess], address: str, tries:
     raise last
 
 
-def _tls() -> list[str]:
-    """CRIU's TLS options with this node's credentials (CredentialsError if it has none)."""
+def _tls(directory: str | None = None) -> list[str]:
+    """CRIU's TLS options with this node's credentials, or a move's (`directory`);
+    CredentialsError if it has none."""
     from relocator.credentials import criu_tls_args
 
-    return criu_tls_args()
+    return criu_tls_args(directory)
 
 
 def page_server(image_dir: Path, address: str, port: int = 0) -> tuple[CriuProcess, int]:

@@ -200,16 +200,18 @@ def _dump(cell: Cell, image_dir: Path, progress: Progress, run_criu: Callable[[i
 
 
 def dump(cell: Cell, image_dir: Path, progress: Progress = _noop,
-         page_server: tuple[str, int] | None = None) -> Image:
+         page_server: tuple[str, int] | int | None = None, tls_dir: str | None = None) -> Image:
     """Checkpoint `cell` into `image_dir` (must not exist or be empty). The cell stays stopped.
 
     `page_server` (address, port): the memory goes straight to that page server (the target's,
     relocator.agent.pagestream) while CRIU reads it; `image_dir` gets the other images only and
-    a manifest marked `pages: remote` (the receiver completes it with the pages it hashed)."""
+    a manifest marked `pages: remote` (the receiver completes it with the pages it hashed).
+    `tls_dir`: the move's own credentials for that connection (criu.dump)."""
     image_dir = Path(image_dir)
 
     def run(ino: int, args: list[str]) -> Any:
-        return criu.dump(cell.init_pid, image_dir, ino, leave_stopped=True, extra_args=args, page_server=page_server)
+        return criu.dump(cell.init_pid, image_dir, ino, leave_stopped=True, extra_args=args, page_server=page_server,
+                         tls_dir=tls_dir)
 
     img, _ = _dump(cell, image_dir, progress, run, PagesMode.REMOTE if page_server else PagesMode.LOCAL)
     return img

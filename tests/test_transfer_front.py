@@ -1,0 +1,201 @@
+"""Issue 26: the TLS front of a move's page server (relocator.agent.front) and the per-move
+credentials it admits (relocator.credentials.make_move). Pure Python on loopback: the test plays
+CRIU on the other end of the socket pair (an echo of what the peer sends)."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from relocator import credentials
+from relocator.agent.front import Front, move_credential, start_for
+
+
+@pytest.fixture(autouse=True)
+def _state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RELOCATOR_STATE_DIR", str(tmp_path / "state"))
+
+
+@pytest.fixture(scope="module")
+def move() -> dict:
+    return credentials.make_move()
+
+
+def _criu(end: socket.socket) -> threading.Thread:
+    """CRIU's stand-in: answers every message with b'ack:' + it, ends at EOF."""
+    def run() -> None:
+        with end:
+            while True:
+                data = end.recv(65536)
+                if not data:
+                    return
+                end.sendall(b"ack:" + data)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _front(move: dict, **kw) -> tuple[Front, threading.Thread]:
+    ours, theirs = socket.socketpair()
+    t = _criu(theirs)
+    kw.setdefault("handshake_s", 1.0)
+    kw.setdefault("accept_s", 20.0)
+    return start_for("127.0.0.1", move["listener"], ours, peer_cert=move["peer"]["cert"], **kw), t
+
+
+def _client(bundle: dict | None) -> ssl.SSLContext:
+    if bundle is None:  # no certificate at all
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+        return ctx
+    return credentials.move_context(bundle, server=False)
+
+
+def _talk(port: int, ctx: ssl.SSLContext, msg: bytes = b"pages") -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+        with ctx.wrap_socket(raw) as s:
+            s.sendall(msg)
+            got = b""
+            while len(got) < len(msg) + 4:
+                b = s.recv(65536)
+                if not b:
+                    break
+                got += b
+            return got
+
+
+def _refused(port: int, ctx: ssl.SSLContext) -> str:
+    """Why the front would not take this client: its handshake's error, or the peer's close."""
+    try:
+        got = _talk(port, ctx)
+    except (ssl.SSLError, ConnectionError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "" if got.startswith(b"ack:") else f"closed after {got!r}"
+
+
+def test_a_move_credential_is_its_own_and_holds_no_ca_key(move: dict) -> None:
+    other = credentials.make_move()
+    assert move["id"] != other["id"] and move["listener"]["ca_cert"] != other["listener"]["ca_cert"]
+    assert move["listener"]["cert"] != move["peer"]["cert"], "each end has a certificate of its own"
+    for end in ("listener", "peer"):
+        assert set(move[end]) == {"id", "ca_cert", "cert", "key"}, move[end].keys()  # no CA key anywhere
+    d = credentials.install_move(move["peer"])
+    assert credentials.tls_files(d) == (str(d / "ca.pem"), str(d / "node.pem"), str(d / "node.key"))
+    assert oct(d.stat().st_mode & 0o777) == "0o700" and oct((d / "node.key").stat().st_mode & 0o777) == "0o600"
+    credentials.remove_move(d)
+    assert not d.exists()
+    with pytest.raises(credentials.CredentialsError, match="malformed id"):
+        credentials.install_move({**move["peer"], "id": "../x"})
+
+
+def test_the_peer_gets_through_behind_an_idle_stranger(move: dict) -> None:
+    """A connection that says nothing holds nothing back: the peer is admitted at once, the
+    stranger dropped, and the relay carries both ways."""
+    front, criu = _front(move, handshake_s=30.0)
+    idle = socket.create_connection(("127.0.0.1", front.port))
+    try:
+        t = time.monotonic()
+        got = _talk(front.port, _client(move["peer"]))
+        took = time.monotonic() - t
+    finally:
+        idle.close()
+    assert got == b"ack:pages", (got, front.why())
+    assert took < 10.0, f"the peer waited {took:.1f}s behind an idle connection ({front.why()})"
+    front.join(10)
+    criu.join(10)
+    assert front.state == "done" and front.peer, front.why()
+    assert front.refused == 1 and "another peer was admitted" in front.last_refused, front.why()
+
+
+@pytest.mark.parametrize("who", ["no-cert", "cluster-member", "earlier-move", "listener-cert"])
+def test_a_wrong_peer_fails_fast_and_the_front_keeps_the_door(move: dict, who: str, tmp_path: Path) -> None:
+    """No certificate, one of the cluster's CA (not this move's), a replayed credential of an
+    earlier move, this move's listener certificate (its CA, not the peer's): each is refused at
+    once with a TLS error and counted; the move's peer still gets in afterwards."""
+    if who == "cluster-member":
+        cluster = credentials.make_cluster()
+        bundle = {**credentials.for_node(cluster, "n9"), "id": "0" * 16}  # type: ignore[dict-item]
+        ctx = _client(bundle)
+    elif who == "earlier-move":
+        ctx = _client(credentials.make_move()["peer"])
+    elif who == "listener-cert":
+        ctx = _client(move["listener"])
+    else:
+        ctx = _client(None)
+    front, _ = _front(move)
+    t = time.monotonic()
+    why = _refused(front.port, ctx)
+    assert why, f"{who} was admitted ({front.why()})"
+    assert time.monotonic() - t < 5.0, f"{who}: refusal took {time.monotonic() - t:.1f}s"
+    deadline = time.monotonic() + 5
+    while front.refused < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert front.refused == 1 and front.state == "listening", (who, why, front.why())
+    assert _talk(front.port, _client(move["peer"])) == b"ack:pages", front.why()
+    front.join(10)
+
+
+def test_one_peer_only_and_a_handshake_is_bounded(move: dict) -> None:
+    front, _ = _front(move, handshake_s=0.3)
+    slow = socket.create_connection(("127.0.0.1", front.port))
+    deadline = time.monotonic() + 5
+    while front.refused < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert front.refused == 1 and "no TLS handshake within 0.3s" in front.last_refused, front.why()
+    assert slow.recv(1) == b"", "a silent client is closed when its handshake time is up"
+    slow.close()
+    with socket.create_connection(("127.0.0.1", front.port), timeout=5) as raw:
+        with _client(move["peer"]).wrap_socket(raw) as s:  # admitted: the front holds the link open
+            s.sendall(b"x")
+            assert s.recv(16) == b"ack:x"
+            with pytest.raises(OSError):  # nobody else from now on: the port is closed
+                _talk(front.port, _client(move["peer"]))
+    front.join(10)
+    assert front.state == "done", front.why()
+
+
+def test_a_flood_evicts_the_oldest_waiter_not_the_newcomer(move: dict) -> None:
+    front, _ = _front(move, handshake_s=30.0, max_pending=3)
+    idle = [socket.create_connection(("127.0.0.1", front.port)) for _ in range(5)]
+    try:
+        assert _talk(front.port, _client(move["peer"])) == b"ack:pages", front.why()
+    finally:
+        for s in idle:
+            s.close()
+    front.join(10)
+    assert front.refused == 5, front.why()
+
+
+def test_nobody_in_time_gives_up_and_closes_criu(move: dict) -> None:
+    ours, theirs = socket.socketpair()
+    front = start_for("127.0.0.1", move["listener"], ours, peer_cert=move["peer"]["cert"], accept_s=0.3)
+    theirs.settimeout(5)
+    assert theirs.recv(1) == b"", "CRIU's end must see EOF once the front gives up"
+    front.join(5)
+    assert front.state == "gave_up" and "no authenticated peer connected within 0.3s" in front.why(), front.why()
+
+
+def test_close_stops_a_listening_front(move: dict) -> None:
+    front, _ = _front(move)
+    front.close()
+    front.join(5)
+    assert front.state in ("closed", "failed", "listening") and not front._thread.is_alive(), front.why()  # type: ignore[union-attr]
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", front.port), timeout=2).close()
+
+
+def test_the_dumps_credential_lives_only_while_it_connects(move: dict) -> None:
+    offer = {"address": "127.0.0.1", "port": 1, "credential": move["peer"]}
+    with move_credential(offer, ("127.0.0.1", 1)) as d:
+        assert d and (Path(d) / "node.key").is_file()
+    assert not Path(d).exists(), "the move's key stays on disk after the dump"
+    with move_credential(offer, 7) as d:  # a unix route: no TLS, nothing written
+        assert d is None
+    with move_credential({"address": "127.0.0.1", "port": 1}, ("127.0.0.1", 1)) as d:
+        assert d is None
