@@ -36,10 +36,13 @@ def phases_table(rel: dict, title: str | None = None) -> Table:
     t.add_column("seconds", justify="right")
     for name, secs in rel["phases"].items():
         t.add_row(name, f"{secs:.3f}")
-    if rel.get("transfer"):  # `auto`: which mode PLAN chose and why
-        why = rel.get("transfer_why") or ""
-        t.caption = f"transfer {rel['transfer']}" + (f": {why}" if why else "")
     return t
+
+
+def transfer_line(rel: dict) -> str:
+    """The mode a relocation moved by, and why PLAN chose it (`auto`)."""
+    why = rel.get("transfer_why") or ""
+    return f"transfer {rel.get('transfer', '?')}" + (f": {why}" if why else "")
 
 
 @app.command("up")
@@ -311,6 +314,7 @@ def relocate_cmd(worker: str = typer.Argument(..., help="worker id"),
         print_json(rel)
     else:
         console.print(phases_table(rel))
+        console.print(transfer_line(rel), highlight=False)
         if rel["error"]:
             console.print(f"[red]{rel['error']}[/]; rollback: {rel['rollback']}")
     if rel["result"] != "done":
@@ -333,6 +337,7 @@ def drain_cmd(node: str = typer.Argument(..., help="node to empty"),
     else:
         for rel in out["relocations"]:
             console.print(phases_table(rel))
+            console.print(transfer_line(rel), highlight=False)
         for sus in out.get("suspended", []):
             console.print(f"suspended {sus['worker']}: {sus.get('error') or 'requeued'}")
         console.print(f"{node}: {'[green]drained[/]' if out['drained'] else '[red]not drained[/]'} "
