@@ -182,6 +182,16 @@ def test_a_failure_before_the_switch_removes_only_the_target_copy(env, failing) 
     assert (w.node, w.cell_id, w.state) == ("n1", "c1", "running")
 
 
+def test_a_switch_that_fails_sets_the_sources_priority_back(env) -> None:
+    store, be = env
+    be.fail["switch"] = RuntimeError("router unreachable")
+    rel = _run(store, be)
+    assert rel.result == ROLLED_BACK, rel.error
+    assert be.nice[0] == ("n1", "c1", SOURCE_NICE) and be.nice[-1] == ("n1", "c1", 0), be.nice
+    w = store.worker("w1")
+    assert (w.node, w.cell_id, w.state) == ("n1", "c1", "running")
+
+
 def test_streams_kept_on_the_source_are_continued_past_the_window(env) -> None:
     store, be = env
     be.stay_on_source = 1

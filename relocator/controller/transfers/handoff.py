@@ -196,8 +196,12 @@ class HandoffTransfer(TransferStrategy):
     def switch(self, ctx: Context, rel: "Relocation", worker: "WorkerRecord") -> dict:
         # each stream cut right after its next token: the source serves until then, so the
         # client's gap is the continuation's first token alone (docs/handoff.md, SWITCH)
-        return ctx.backend.handoff_switch(worker.id, rel.dst_endpoint, keep_inexact=True,
-                                          catch_up_rounds=CATCH_UP_ROUNDS, at_token=True)
+        try:
+            return ctx.backend.handoff_switch(worker.id, rel.dst_endpoint, keep_inexact=True,
+                                              catch_up_rounds=CATCH_UP_ROUNDS, at_token=True)
+        except BaseException:
+            favour(ctx.backend, rel, 0)  # it may roll back: the source serves on as before
+            raise
 
     def release(self, ctx: Context, rel: "Relocation") -> dict[str, Any]:
         window = float(ctx.handoff_window_s)  # config controller.handoff_window_s
