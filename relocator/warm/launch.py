@@ -38,6 +38,7 @@ class WarmStarts:
         self.fetch = fetch
         self._guard = threading.Lock()
         self._filing: dict[str, threading.Event] = {}  # key -> set once filed (or given up)
+        self._not_filed: dict[str, str] = {}  # key -> why its last capture was not filed (a full store)
 
     def store(self, cfg: WarmConfig):
         from relocator.warm.roots import open_cluster_store
@@ -73,19 +74,26 @@ class WarmStarts:
         from relocator.snapshot.snapshot import IncompatibleImage, RestoreTarget
         from relocator.warm.roots import NoTmpfsRoom
         from relocator.warm.start import NoWarmImage, key_for_launch, restore_warm
+        from relocator.warm.store import StoreFull
         from relocator.worker import wait_ready
 
         if not cfg.enabled:
             return None, {"how": "cold", "key": None, "reason": "warm images are off (warm.enabled)"}
         key = None
         t0 = time.monotonic()
+        copied: dict[str, Any] | None = None
+        fetch_why = ""
         try:
             key = key_for_launch(spec, engine, gpu_ids)
             self._wait_filing(key)
-            copied = self._fetch_if_missing(cfg, key)
+            copied, fetch_why = self._fetch_if_missing(cfg, key)
             cell = restore_warm(self.store(cfg), key, RestoreTarget(cell_id=cell_id, gpu_ids=gpu_ids))
-        except (NoWarmImage, ImageError, IncompatibleImage, CriuError, CellError, NoTmpfsRoom, OSError) as exc:
-            return None, {"how": "cold", "key": key, "reason": f"{type(exc).__name__}: {exc}"}
+        except (NoWarmImage, ImageError, IncompatibleImage, CriuError, CellError, NoTmpfsRoom, StoreFull,
+                OSError) as exc:
+            why = [f"{type(exc).__name__}: {exc}"]
+            if isinstance(exc, NoWarmImage):  # say why there is none: the copy, the last capture
+                why += [w for w in (fetch_why, self._not_filed.get(key or "", "")) if w]
+            return None, {"how": "cold", "key": key, "reason": "; ".join(why)}
         try:
             asyncio.run(wait_ready(cell, timeout=min(ready_timeout, 120.0)))
         except Exception as exc:  # noqa: BLE001 - a copy that does not serve: start cold instead
@@ -94,16 +102,18 @@ class WarmStarts:
         how = {"how": "warm", "key": key, "reason": "", "ready_s": time.monotonic() - t0}
         return cell, ({**how, "copied": copied} if copied else how)
 
-    def _fetch_if_missing(self, cfg: WarmConfig, key: str) -> dict[str, Any] | None:
-        """The on-demand copy of `key` from a peer when this store lacks it (what it took), or
-        None (here already, no peer has it, copies off, or the copy failed: start cold)."""
+    def _fetch_if_missing(self, cfg: WarmConfig, key: str) -> tuple[dict[str, Any] | None, str]:
+        """(the on-demand copy of `key` from a peer when this store lacks it, or None; why there
+        is none, for the cold start's reason: no live peer holds it (its only holder lost), or
+        the copy failed: a full store, a damaged image, a lost peer)."""
         if self.fetch is None or not cfg.prefetch.on_demand or self.store(cfg).path_of(key).is_dir():
-            return None
+            return None, ""
         try:
-            return self.fetch(key)
+            got = self.fetch(key)
         except Exception as exc:  # noqa: BLE001 - no copy: the start goes on (cold)
             log.warning("warm image %s not copied to %s: %s", key, self.node, exc)
-            return None
+            return None, f"the copy from a peer failed: {type(exc).__name__}: {exc}"
+        return got, ("" if got else "no live peer holds one")
 
     def _wait_filing(self, key: str) -> None:
         with self._guard:
@@ -129,7 +139,7 @@ class WarmStarts:
             staged = dump_staged(cell, self.store(cfg), key=key)
         except Exception as exc:  # noqa: BLE001 - a capture never fails the launch
             log.warning("warm capture of %s failed: %s", cell.id, exc)
-            self._filed(key)
+            self._filed(key, f"{type(exc).__name__}: {exc}")
             return {"dumped": False, "key": key, "reason": f"{type(exc).__name__}: {exc}"}
         if not isinstance(staged, Staged):
             self._filed(key)
@@ -140,17 +150,25 @@ class WarmStarts:
     def _file(self, staged) -> None:
         from relocator.warm.capture import file_staged
 
+        why = ""
         try:
             entry = file_staged(staged)
             log.info("warm image %s filed (%d bytes) from %s", staged.key, entry.bytes, staged.cell.id)
         except Exception as exc:  # noqa: BLE001 - nothing filed; the next cold start tries again
             log.warning("warm image %s of %s not filed: %s", staged.key, staged.cell.id, exc)
+            why = f"{type(exc).__name__}: {exc}"
         finally:
-            self._filed(staged.key)
+            self._filed(staged.key, why)
 
-    def _filed(self, key: str | None) -> None:
+    def _filed(self, key: str | None, why: str = "") -> None:
+        """The capture of `key` is over; `why` it filed nothing (kept for the next cold start's
+        reason), or "" when it did."""
         with self._guard:
             ev = self._filing.pop(key, None) if key else None
+            if key and why:
+                self._not_filed[key] = f"its last capture here was not filed: {why}"
+            elif key:
+                self._not_filed.pop(key, None)
         if ev is not None:
             ev.set()
 
