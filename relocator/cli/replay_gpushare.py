@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 #: `--pack-every`: the packing rounds of mode moves+pack
-PACK_EVERY = typer.Option(30.0, "--pack-every", min=1.0, help="Mode moves+pack: a round of moves of fractional pods onto "
+PACK_EVERY = typer.Option(2.0, "--pack-every", min=1.0, help="Mode moves+pack: a round of moves of fractional pods onto "
                           "fewer GPUs every this many simulated seconds, within the budget.")
 #: figures of sim/gpushare.py that `bench replay` averages over seeds
 GPUSHARE_KEYS = ("frag_gpus_mean", "frag_gpus_gpu_mean", "free_nodes_mean", "pack_moves", "frag_ratio")

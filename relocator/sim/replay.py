@@ -75,7 +75,7 @@ class ReplayConfig:
     backfill_depth: int = 64
     consolidate_every_s: float | None = None
     consolidate_moves: int = 4
-    pack_every_s: float = 30.0  # mode moves+pack: a packing round of shares this often (sim/gpushare.py)
+    pack_every_s: float = 2.0  # mode moves+pack: a packing round this often (30 s overflowed the budget bucket)
     pack_moves: int = 4  # most moves of one packing round
     samples: int = 400
     blackout: BlackoutModel = field(default_factory=BlackoutModel)
