@@ -68,6 +68,15 @@ class LaunchSpec:
     cache_dir: str | None = None
 
 
+@dataclass(frozen=True)
+class EngineCall:
+    """One HTTP call of an engine's own API (path relative to its endpoint, JSON body or none)."""
+
+    method: str
+    path: str
+    body: dict | None = None
+
+
 class EngineAdapter(abc.ABC):
     name: str
     #: the port the engine's server listens on inside its cell (own network namespace)
@@ -128,6 +137,13 @@ class EngineAdapter(abc.ABC):
     def codec(self) -> "ContinuationCodec":
         """How the router continues this engine's streams."""
         return get_codec(self.name)
+
+    def sleep_calls(self, launch: dict) -> tuple[EngineCall, EngineCall] | None:
+        """(sleep, wake) for a GPU worker launched from `launch` (its LaunchSpec as data): the
+        engine's own API that frees its KV pool before a warm capture's cuda-checkpoint, and
+        takes it back once the image is restored (relocator/warm/sleep.py). None: it has none,
+        and the image holds the pool."""
+        return None
 
 
 def _package(name: str) -> str:

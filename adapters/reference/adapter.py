@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from functools import lru_cache
 
-from adapters.base import EngineAdapter, LaunchSpec
+from adapters.base import EngineAdapter, EngineCall, LaunchSpec
 from adapters.reference import __version__
 
 
@@ -49,6 +49,13 @@ class Adapter(EngineAdapter):
 
     def engine_version(self) -> str:
         return f"{__version__}+torch{torch_version()}"
+
+    def sleep_calls(self, launch: dict) -> tuple[EngineCall, EngineCall] | None:
+        # its device extras (--kv-pool-mb, adapters/reference/device.py): the pool tensor dropped
+        # and torch's cache emptied, then reserved again; without them it holds no pool
+        if "--kv-pool-mb" not in (launch.get("extra_args") or []):
+            return None
+        return EngineCall("POST", "/device/release"), EngineCall("POST", "/device/reserve")
 
     def compute_dtype(self, spec: LaunchSpec) -> str:
         return "float32"  # bf16 weights, computed in float32

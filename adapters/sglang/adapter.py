@@ -14,7 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from adapters.base import EngineAdapter, LaunchSpec
+from adapters.base import EngineAdapter, EngineCall, LaunchSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STUB_DIR = Path(__file__).resolve().parent / "stub_sgl_kernel"
@@ -193,6 +193,13 @@ class Adapter(EngineAdapter):
 
     def engine_version(self) -> str:
         return sglang_version()
+
+    def sleep_calls(self, launch: dict) -> tuple[EngineCall, EngineCall] | None:
+        # the KV pool only (torch_memory_saver's "kv_cache" region, --enable-memory-saver): the
+        # weights stay on the GPU and go through cuda-checkpoint with it
+        tags = {"tags": ["kv_cache"]}
+        return (EngineCall("POST", "/release_memory_occupation", tags),
+                EngineCall("POST", "/resume_memory_occupation", tags))
 
     def continuation_request(self, body: dict[str, Any], prompt_ids: list[int],
                              sent_ids: list[int]) -> dict[str, Any]:

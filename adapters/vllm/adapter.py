@@ -8,7 +8,7 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-from adapters.base import EngineAdapter, LaunchSpec
+from adapters.base import EngineAdapter, EngineCall, LaunchSpec
 
 
 @lru_cache(maxsize=1)
@@ -70,6 +70,12 @@ class Adapter(EngineAdapter):
             # API server still runs the engine core in its own process.
             argv += ["--distributed-executor-backend", "uni"]
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if env["VLLM_TARGET_DEVICE"] == "cuda" and "--enable-sleep-mode" not in spec.extra_args:
+            # sleep level 1 before a warm capture's cuda-checkpoint leaves the KV cache out of the
+            # image (relocator/warm/sleep.py); /sleep and /wake_up are dev-mode routes in vLLM,
+            # served in the cell's own network namespace (reached through the router only)
+            argv.append("--enable-sleep-mode")
+            env.setdefault("VLLM_SERVER_DEV_MODE", "1")
         pool_mb = int(os.environ.get("RELOCATOR_KV_POOL_MB", "0") or 0)
         if pool_mb > 0:
             # a KV pool of that size, every page written (in the image): `relocator bench
@@ -81,3 +87,8 @@ class Adapter(EngineAdapter):
 
     def engine_version(self) -> str:
         return vllm_version()
+
+    def sleep_calls(self, launch: dict) -> tuple[EngineCall, EngineCall] | None:
+        # level 1: weights to host memory, KV cache discarded; wake_up without tags takes both
+        # back (docs/gpu.md "Sleep before a warm capture")
+        return EngineCall("POST", "/sleep?level=1"), EngineCall("POST", "/wake_up")

@@ -11,7 +11,10 @@ with an unmoved run of the same prompts:
   2. the same from that copy with its free KV pool released before DUMP (reserved again after
      RESTORE), so the image leaves it out;
   3. a handoff (make before break): a second copy started cold on the same device while the
-     source serves, then SWITCH and RELEASE; the source is never frozen.
+     source serves, then SWITCH and RELEASE; the source is never frozen;
+then (on CUDA, or with GPU_CHECK_WARM=1) a warm capture of the last copy as the agent takes one
+(the engine asleep around cuda-checkpoint on a GPU: relocator/warm/sleep.py) and a copy restored
+from it, woken, both answering the first prompt exactly.
 No Ray and no controller: the phases are run in order here with the parts the controller's
 machine calls (relocator.snapshot, relocator.worker, the router's control API). One JSON object
 on stdout (`run` returns it)."""
@@ -34,6 +37,7 @@ import aiohttp
 from relocator import waits
 from relocator.ports import free_port
 from relocator.router.client import RouterControl
+from relocator.warm import sleep
 
 PROMPTS = ["the cluster node", "a worker moves to a new", "red river mountain light and",
            "seven blue", "one more prompt for the", "tokens keep coming", "hold then switch", "x"]
@@ -99,6 +103,14 @@ class Check:
             self.spec.extra_args.append("--cuda-graph")
         if os.environ.get("PYTHONPATH"):  # a bundle's wheels (gpu-check.sh --bundle): the cell's
             self.spec.env["PYTHONPATH"] = os.environ["PYTHONPATH"]  # default is the repository alone
+        from adapters.base import get_adapter
+        from relocator.worker import spec_to_dict
+
+        #: the reference engine's (sleep, wake): its pool released and reserved
+        self.pool_calls = get_adapter("reference").sleep_calls(spec_to_dict(self.spec))
+        #: a warm capture of the last copy (asleep on CUDA), then a copy restored from it:
+        #: GPU_CHECK_WARM=1|0, default on CUDA only (CI's --device cpu run stays as it was)
+        self.warm = os.environ.get("GPU_CHECK_WARM", "1" if device == "cuda" else "0") == "1"
         self.cells: list[Any] = []
         self.router: subprocess.Popen | None = None
         self.R: dict[str, Any] = {"device": device, "host_gpus": [vars(g) for g in gpus],
@@ -187,8 +199,8 @@ async def freeze_and_copy(ck: Check, rc: RouterControl, base: str, src: Any, dro
     m["streams_in_flight_at_hold"] = await ck.in_flight(rc)
     t_hold = time.monotonic()
     await rc.hold(WORKER)
-    if drop_pool:
-        m["pool_released_bytes"] = (await ck.device_call(src, "release"))["bytes"]
+    if drop_pool:  # the call a warm capture makes (relocator/warm/sleep.py)
+        m["pool_released_bytes"] = (await asyncio.to_thread(sleep.call, src.endpoint, ck.pool_calls[0]))["bytes"]
     img = await asyncio.to_thread(dump, src, ck.work / f"image-{len(ck.cells)}")
     m["dump_s"] = round(time.monotonic() - t_hold, 3)
     m["dump_timings"] = {k: round(v, 3) for k, v in img.manifest.timings.items()}
@@ -200,7 +212,7 @@ async def freeze_and_copy(ck: Check, rc: RouterControl, base: str, src: Any, dro
     m["restore_s"] = round(time.monotonic() - t, 3)
     m["restore_ready_s"] = await ck.ready(dst, 120)
     if drop_pool:
-        m["pool_reserved_bytes"] = (await ck.device_call(dst, "reserve"))["bytes"]
+        m["pool_reserved_bytes"] = (await asyncio.to_thread(sleep.call, dst.endpoint, ck.pool_calls[1]))["bytes"]
     m["device_check"] = await ck.device_call(dst, "check")
     stopped.append(ck.source_stopped(src))
     m["switch"] = {k: v for k, v in (await rc.switch(WORKER, dst.endpoint)).items() if k != "streams"}
@@ -214,6 +226,36 @@ async def freeze_and_copy(ck: Check, rc: RouterControl, base: str, src: Any, dro
     if ck.device == "cuda":
         _cuda_rates(m)
     return m, dst
+
+
+async def warm_capture(ck: Check, src: Any, base_ids: list[int]) -> dict[str, Any]:
+    """A warm image of the serving worker taken as the agent takes one (relocator/warm/capture.py:
+    on a GPU the engine asleep around cuda-checkpoint, so its pool is not in the image), then a
+    copy restored from it as a warm start does (woken before use). Both must answer the first
+    prompt exactly as the unmoved run did."""
+    from relocator.snapshot.manifest import read_manifest
+    from relocator.warm.capture import capture
+    from relocator.warm.start import restore_warm
+    from relocator.warm.store import ImageStore
+
+    store = ImageStore(ck.work / "warm-store", 1 << 40)
+    t = time.monotonic()
+    entry, _ = await asyncio.to_thread(capture, src, store)
+    timings = read_manifest(entry.path).timings
+    m: dict[str, Any] = {"capture_s": round(time.monotonic() - t, 3), "image_bytes": entry.bytes,
+                         "asleep": sleep.ASLEEP in timings,
+                         "timings": {k: round(v, 3) for k, v in timings.items()}}
+    m["source_exact_after"] = await stream(src.endpoint, PROMPTS[0], ck.tokens, []) == base_ids
+    t = time.monotonic()
+    copy = await asyncio.to_thread(restore_warm, store, entry.key)
+    ck.cells.append(copy)
+    m["restore_s"] = round(time.monotonic() - t, 3)  # the wake included
+    m["restore_ready_s"] = await ck.ready(copy, 120)
+    m["device_check"] = await ck.device_call(copy, "check")
+    m["copy_exact"] = await stream(copy.endpoint, PROMPTS[0], ck.tokens, []) == base_ids
+    m["ok"] = m["source_exact_after"] and m["copy_exact"] and m["asleep"] == (ck.device == "cuda")
+    copy.kill()
+    return m
 
 
 def _cuda_rates(m: dict) -> None:
@@ -262,6 +304,9 @@ async def moves(ck: Check) -> None:
             m, src = await move(src)
             m.update(compare(base_tokens, m.pop("result")))
             R["moves"][name] = m
+    if ck.warm:
+        R["stage"] = "warm_capture"
+        R["warm_capture"] = await warm_capture(ck, src, base_tokens[0])
 
 
 def summary(R: dict) -> None:
@@ -279,8 +324,11 @@ def summary(R: dict) -> None:
     R["source_stayed_stopped"] = all(m.get("source_stayed_stopped", True) for m in mv.values()) and bool(mv)
     graph = [m.get("device_check", {}).get("graph") for m in mv.values() if "device_check" in m]
     R["cuda_graph_ok"] = None if R["device"] != "cuda" else bool(graph) and all(graph)
+    warm = R.get("warm_capture")
+    R["warm_image_bytes_asleep"] = warm.get("image_bytes") if warm and warm.get("asleep") else None
     R["ok"] = (len(mv) == 3 and R["source_stayed_stopped"] and R["cuda_graph_ok"] is not False
-               and not any(R[k] for k in ("tokens_lost", "tokens_dup", "tokens_mismatched", "client_errors")))
+               and not any(R[k] for k in ("tokens_lost", "tokens_dup", "tokens_mismatched", "client_errors"))
+               and (not R.get("warm_capture_asked") or bool(warm and warm.get("ok"))))
 
 
 def run(device: str = "auto", tokens: int = 64, pool_mb: int = 256) -> dict:
@@ -297,7 +345,7 @@ def run(device: str = "auto", tokens: int = 64, pool_mb: int = 256) -> dict:
     ck = Check(device, tokens, pool_mb, work)
     R = ck.R
     R.update(ok=False, stage="start", criu=criu_version(criu_binary()), cuda_checkpoint=cuda.binary(),
-             cuda_checkpoint_active=cuda.available())
+             cuda_checkpoint_active=cuda.available(), warm_capture_asked=ck.warm)
     t0 = time.monotonic()
     try:
         asyncio.run(moves(ck))

@@ -4,9 +4,10 @@ nothing happened; the dump costs it one freeze of a few seconds before its first
 
 On CPU the engine's untouched KV pool is not in the image: the launcher allocates it without
 writing it (adapters/vllm/launcher.py) and CRIU dumps only pages that were ever touched. On a
-GPU the device memory goes through cuda-checkpoint and comes back at once after the dump
-(putting the engine to sleep first, to leave its free KV pool out, is not done yet:
-docs/images.md).
+GPU the engine is put to sleep first through its own API (relocator/warm/sleep.py: vLLM sleep
+level 1, SGLang release_memory_occupation), so its KV pool is not in the image either; the
+device memory goes through cuda-checkpoint and comes back at once after the dump, then the
+engine wakes and serves.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from relocator.snapshot import criu, cuda
 from relocator.snapshot.fingerprint import Fingerprint
 from relocator.snapshot.manifest import CellInfo, Manifest, PagesMode, hash_files, write_manifest, write_stamp
 from relocator.snapshot.snapshot import fingerprint_of
+from relocator.warm import sleep
 from relocator.warm.key import key_of, kind_of
 from relocator.warm.store import Entry, ImageStore
 
@@ -39,7 +41,13 @@ def key_of_cell(cell: Cell, fingerprint: Fingerprint | None = None) -> str:
 
 
 def _dump_running(cell: Cell, image_dir, timings: dict[str, float]) -> None:
-    """CRIU dump, leave-running; a GPU cell's device memory is checkpointed around it."""
+    """CRIU dump, leave-running; a GPU cell's engine asleep and its device memory checkpointed
+    around it."""
+    with sleep.asleep(cell, timings):
+        _checkpointed_dump(cell, image_dir, timings)
+
+
+def _checkpointed_dump(cell: Cell, image_dir, timings: dict[str, float]) -> None:
     cuda_pids: list[int] = []
     if cuda.available():
         cuda_pids = cuda.checkpoint(cell.pids())

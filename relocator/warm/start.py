@@ -7,8 +7,9 @@ from adapters.base import DEFAULT_ENGINE, LaunchSpec
 from relocator.cell import devices
 from relocator.cell.cell import Cell
 from relocator.snapshot.fingerprint import Fingerprint, host_fingerprint
-from relocator.snapshot.manifest import ImageError
+from relocator.snapshot.manifest import ImageError, read_manifest
 from relocator.snapshot.snapshot import RestoreTarget, engine_fingerprint_for, restore
+from relocator.warm import sleep
 from relocator.warm.key import key_of, kind_of
 from relocator.warm.store import ImageStore
 from relocator.worker import spec_to_dict
@@ -31,14 +32,22 @@ def key_for_launch(spec: LaunchSpec, engine: str = DEFAULT_ENGINE, gpu_ids: list
 def restore_warm(store: ImageStore, key: str, target: RestoreTarget | None = None) -> Cell:
     """Restore the warm image of `key` into a new cell (RestoreTarget: its cell id, GPUs,
     verification). The image is held while it is read, so no eviction removes it meanwhile.
-    Raises NoWarmImage, ImageError (damaged: removed from the store), IncompatibleImage or
-    CriuError; in every case nothing was started and the caller starts cold."""
+    Raises NoWarmImage, ImageError (damaged: removed from the store), IncompatibleImage,
+    CriuError or EngineSleepError (taken asleep, the copy did not wake: killed); in every case
+    nothing serves and the caller starts cold."""
     try:
         with store.use(key) as entry:
             if entry is None:
                 raise NoWarmImage(f"no warm image {key} in {store.root}")
-            return restore(entry.path, target)
+            timings = read_manifest(entry.path).timings
+            cell = restore(entry.path, target)
     except ImageError as exc:  # a flipped byte the restore's checksums found: never again
         if store.path_of(key).is_dir():
             raise store.quarantine(key, exc) from None
         raise
+    try:  # an image taken asleep (a GPU worker: relocator/warm/sleep.py) serves once awake
+        sleep.wake_restored(cell, timings)
+    except BaseException:
+        cell.kill()
+        raise
+    return cell
