@@ -25,13 +25,13 @@ def test_the_excess_is_the_blackout_over_the_normal_gap() -> None:
     assert excess(0.1, 0.2) == 0.0 and excess(0.5, None) is None
 
 
-def test_the_loads_normal_gap_is_the_median_before_the_move() -> None:
+def test_the_loads_normal_gap_is_the_mean_before_the_move() -> None:
     from relocator.cluster.streams import Load, RequestResult
 
     ref = {0: RequestResult(0, 0, tokens=[1, 2, 3, 4], text="abcd")}
     lo = Load("http://x", "m", ref, max_tokens=4, concurrency=1)  # type: ignore[arg-type]
-    # gaps 0.1, 0.1, 0.4 before the move (window from 10.0), one of 0.9 across it
-    lo.results = [RequestResult(0, 0, tokens=[1, 2, 3], text="abc", times=[1.0, 1.1, 1.2, 1.6], finish_reason="x"),
+    # gaps 0.1, 0.0 (two events read at once), 0.5 before the move (window from 10.0), 0.9 across it
+    lo.results = [RequestResult(0, 0, tokens=[1, 2, 3], text="abc", times=[1.0, 1.1, 1.1, 1.6], finish_reason="x"),
                   RequestResult(0, 0, tokens=[4], text="d", times=[9.5, 10.4], finish_reason="x")]
     rep = lo.report(window=(10.0, 11.0))
-    assert (rep["normal_gap_median_s"], rep["normal_gap_max_s"], rep["blackout_max_s"]) == (0.1, 0.4, 0.9), rep
+    assert (rep["normal_gap_mean_s"], rep["normal_gap_max_s"], rep["blackout_max_s"]) == (0.2, 0.5, 0.9), rep

@@ -144,9 +144,9 @@ def _measure(ctl, wid: str, dst: str, transfer: str, streams: int, max_tokens: i
         "requests": load["requests"], "tokens": load["tokens"],
         "result": rel["result"], "client_max_gap_s": [c["max_gap_s"] for c in load["clients"]],
         # the load's longest gap before the move (its normal pace), and where the blackout fell
-        "normal_gap_max_s": load.get("normal_gap_max_s"), "normal_gap_median_s": load.get("normal_gap_median_s"),
-        # the issue's blackout: the longest gap minus the normal (median) inter-token gap
-        "blackout_excess_s": excess(load["blackout_max_s"], load.get("normal_gap_median_s")),
+        "normal_gap_max_s": load.get("normal_gap_max_s"), "normal_gap_mean_s": load.get("normal_gap_mean_s"),
+        # the issue's blackout: the longest gap minus the normal (mean) inter-token gap
+        "blackout_excess_s": excess(load["blackout_max_s"], load.get("normal_gap_mean_s")),
         # the longest gap that overlaps SWITCH (a handoff's cut-over; the freezing modes' is longer)
         "switch_gap_s": switch_gap(full, load.get("long_gaps") or [], res.get("clock_offset_s", 0.0)),
         "blackout_at": blackout_at(full, load.get("blackout_span") or [], res.get("clock_offset_s", 0.0)),

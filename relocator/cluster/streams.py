@@ -30,6 +30,9 @@ PROMPTS = [
 ]
 
 
+#: how many of the longest gaps overlapping a move a load report keeps (Load.report)
+LONG_GAPS = 2048
+
 @dataclass
 class RequestResult:
     client: int
@@ -231,10 +234,12 @@ class Load:
                 "text_bad": text_bad, "client_errors": len(errors),
                 "errors": errors[:5], "blackout_max_s": round(blackout, 4), "blackout_span": span,
                 "normal_gap_max_s": round(normal, 4),
-                # the median gap before the move: the "normal inter-token gap"
-                "normal_gap_median_s": round(statistics.median(before), 4) if before else None,
-                # the 64 longest gaps overlapping the window: [start, end] (where each phase's lies)
-                "long_gaps": [[a, b] for _, a, b in sorted(long_gaps, reverse=True)[:64]],
+                # the mean gap before the move (events read in one burst have gaps of 0, so the
+                # median is 0): the "normal inter-token gap"
+                "normal_gap_mean_s": round(statistics.fmean(before), 4) if before else None,
+                # the longest gaps overlapping the window: [start, end] (where each phase's lies;
+                # enough of them that a short phase's, SWITCH's, is among them beside a long RESTORE)
+                "long_gaps": [[a, b] for _, a, b in sorted(long_gaps, reverse=True)[:LONG_GAPS]],
                 "clients": [clients[k] for k in sorted(clients)]}
 
 
