@@ -20,6 +20,7 @@ class ChaosConfig:
     faults: list[str] = field(default_factory=list)
     triggers: list[str] = field(default_factory=list)  # trigger faults (relocator/chaos/triggers.py)
     flap_s: float = 12.0  # how long the gpu-flap trigger fault flaps
+    warm_faults: list[str] = field(default_factory=list)  # warm image faults (relocator/chaos/warmsteps.py)
     streams: int = 4
     workers: int = 1
     gpus: int = 1

@@ -22,6 +22,7 @@ class StepKind(Choice):
     MOVE = "move"  # a forced live relocation of one worker to another node
     SUSPEND_RESUME = "suspend-resume"  # suspend a worker (image, GPUs released), then resume it
     MAKE_ROOM = "make-room"  # fragment the cluster, launch a node-sized worker: the controller moves to seat it
+    WARM = "warm-image"  # damage a kind's warm image, launch one of that kind: cold, the fault said (warmsteps.py)
     TRIGGER = "trigger"  # fire a policy trigger (relocator/chaos/triggers.py): the controller's policies act
 
 
@@ -150,23 +151,25 @@ class Step:
     fault: str | None = None
     kind: StepKind = StepKind.MOVE
     trigger: str | None = None  # a trigger step's fault (relocator.chaos.triggers.TRIGGER_FAULTS)
+    warm: str | None = None  # a warm image step's fault (relocator.warm.faults.WARM_FAULTS)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def make_schedule(moves: int, faults: Sequence[str], workers: dict[str, str], nodes: Sequence[str],
-                  seed: int = 0, suspends: int = 0, make_rooms: int = 0, triggers: Sequence[str] = ()) -> list[Step]:
+                  seed: int = 0, suspends: int = 0, make_rooms: int = 0, triggers: Sequence[str] = (),
+                  warm: Sequence[str] = ()) -> list[Step]:
     """`moves` plain forced moves, `suspends` suspend-then-resume steps and `make_rooms`
-    make-room launches, plus one step per fault (of the fault's kind) and one per trigger fault,
-    in a seeded random order (destructive faults last). Targets are chosen later (`pick_target`)
+    make-room launches, plus one step per fault (of the fault's kind), one per trigger fault and
+    one per warm image fault, in a seeded random order (destructive faults last). Targets are chosen later (`pick_target`)
     because the cluster changes; the `dst` here is a seeded preference. `workers`: {worker: node}."""
     rng = random.Random(seed)
     kinds: list[tuple[StepKind, str | None, str | None]] = (
         [(StepKind.MOVE, None, None)] * moves + [(StepKind.SUSPEND_RESUME, None, None)] * suspends
         + [(StepKind.MAKE_ROOM, None, None)] * make_rooms
         + [(FAULTS[f].step, f, None) for f in faults if not FAULTS[f].destructive]
-        + [(StepKind.TRIGGER, None, t) for t in triggers])
+        + [(StepKind.TRIGGER, None, t) for t in triggers] + [(StepKind.WARM, None, f) for f in warm])
     rng.shuffle(kinds)
     kinds += [(FAULTS[f].step, f, None) for f in faults if FAULTS[f].destructive]
     wids = sorted(workers)
@@ -174,7 +177,11 @@ def make_schedule(moves: int, faults: Sequence[str], workers: dict[str, str], no
     for i, (kind, k, t) in enumerate(kinds):
         w = wids[rng.randrange(len(wids))] if wids else ""
         others = [n for n in nodes if n != workers.get(w)]
-        steps.append(Step(i, w, rng.choice(others) if others else "", k, kind, t))
+        dst = rng.choice(others) if others else ""
+        if kind is StepKind.WARM:  # its name rides in the trigger's slot above
+            steps.append(Step(i, w, dst, k, kind, warm=t))
+        else:
+            steps.append(Step(i, w, dst, k, kind, t))
     return steps
 
 
@@ -252,6 +259,10 @@ def check_scheduling_outcome(step: dict[str, Any], fault: Fault | None) -> Outco
         from relocator.chaos.triggers import TRIGGER_FAULTS, check
 
         problems += check(step, TRIGGER_FAULTS[step["trigger"]])
+    elif kind is StepKind.WARM:
+        from relocator.chaos.warmsteps import check as check_warm
+
+        problems += check_warm(step)
     elif kind is StepKind.MAKE_ROOM:
         results = [m.get("result") for m in step.get("moves", [])]
         if fault is None:

@@ -78,7 +78,8 @@ def _outcome(m: dict, by_fault: dict[str, int], cfg: Any) -> dict:
     failed = by_fault.get(m.get("fault") or m.get("trigger") or "", 0) if f or m.get("trigger") else 0
     if m.get("kind") not in (None, StepKind.MOVE):
         o = check_scheduling_outcome({**m, "failed_requests": failed}, f)
-        extra = {k: m[k] for k in ("trigger", "controller", "observed") if k in m}  # a trigger step's
+        extra = {k: m[k] for k in ("trigger", "controller", "observed", "warm", "start", "detail")
+                 if k in m}  # a trigger step's, a warm image step's
         return {**o.to_dict(), "step": m["step"], "kind": m["kind"], "serve_again_s": m.get("serve_again_s"),
                 "injected": m.get("injected"), "source_serving_s": m.get("source_serving_s"), **extra}
     o = check_outcome(f, m, injected=m.get("injected", True), serving=m["serving"],
@@ -167,6 +168,8 @@ def figures(cfg: Any, rep: Any, ref: Any, moves: list[dict], leaked: dict[str, l
         "scheduling_steps": scheduling,
         # trigger faults (relocator/chaos/triggers.py): each one's outcome and what the controller did
         "triggers": {o["trigger"]: o for o in scheduling if o.get("trigger")},
+        # warm image faults (relocator/chaos/warmsteps.py): how the start after each went
+        "warm_faults": {o["warm"]: o for o in scheduling if o.get("warm")},
         "phase_seconds_p50": _p50_phases(moves),
     }
 

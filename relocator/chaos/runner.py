@@ -29,9 +29,10 @@ from relocator.chaos.load import _chat_fraction, _LoadThread, _reference
 from relocator.chaos.probe import serving_again_at  # noqa: F401 - re-exported (tests, callers)
 from relocator.chaos.steps import SCHEDULING_STEPS, _freeze_end, _status, one_move  # noqa: F401
 from relocator.chaos.triggersteps import trigger_step
+from relocator.chaos.warmsteps import warm_step
 
 #: every step kind but the forced move: what runs it
-STEPS = {**SCHEDULING_STEPS, StepKind.TRIGGER: trigger_step}
+STEPS = {**SCHEDULING_STEPS, StepKind.TRIGGER: trigger_step, StepKind.WARM: warm_step}
 
 CONTROLLER_SPARED = ("hosts the controller, which is pinned there (the head node, or deploy's controller.node) "
                      "and does not survive its loss: a fault that kills a node never takes it")
@@ -202,9 +203,11 @@ def _step(run: _Run, i: int, step: Step) -> None:
 def _steps(run: _Run, ws: list[dict], nodes: list[str]) -> None:
     cfg = run.cfg
     steps = make_schedule(cfg.moves, cfg.faults, {w["id"]: w["node"] for w in ws}, nodes, cfg.seed,
-                          suspends=cfg.suspends, make_rooms=cfg.make_rooms, triggers=cfg.triggers)
+                          suspends=cfg.suspends, make_rooms=cfg.make_rooms, triggers=cfg.triggers,
+                          warm=cfg.warm_faults)
     run.say(f"{len(steps)} steps ({cfg.moves} plain moves, {cfg.suspends} suspend+resume, {cfg.make_rooms} "
-            f"make-room, faults: {', '.join(cfg.faults) or 'none'}, triggers: {', '.join(cfg.triggers) or 'none'}), "
+            f"make-room, faults: {', '.join(cfg.faults) or 'none'}, triggers: {', '.join(cfg.triggers) or 'none'}, "
+            f"warm image faults: {', '.join(cfg.warm_faults) or 'none'}), "
             f"{cfg.streams} streams")
     interval = 60.0 / cfg.moves_per_minute if cfg.moves_per_minute > 0 else 0.0
     t_moves = time.monotonic()

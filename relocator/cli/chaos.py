@@ -62,6 +62,11 @@ def chaos_cmd(duration: float = typer.Option(None, "--duration", help="stop star
                                            help="trigger faults, comma list, 'all' or 'none' (default none): "
                                                 "a GPU gone bad, a node notice, a flapping signal, GPUs held "
                                                 "by count; the policies' actions checked (docs/policies.md)"),
+              warm_faults: str = typer.Option(None, "--warm-faults",
+                                              help="warm image faults, comma list, 'all' or 'none' (default none): "
+                                                   "corrupt, truncate (a store full and the only holder lost are "
+                                                   "unit-tested only); the start after each must be cold, the "
+                                                   "fault named in its worker_started event (docs/images.md)"),
               flap_s: float = typer.Option(12.0, "--flap-s", min=2, max=600,
                                            help="how long the gpu-flap trigger fault flaps"),
               smoke: bool = typer.Option(False, "--smoke", help="a few minutes: a handful of moves, every fault once"),
@@ -87,10 +92,16 @@ def chaos_cmd(duration: float = typer.Option(None, "--duration", help="stop star
     from relocator.cluster.config import cluster_dir as default_dir
 
     from relocator.chaos.triggers import parse_triggers
+    from relocator.chaos.warmsteps import parse_warm_faults
 
     fl = parse_faults(faults) if faults is not None else None
+    try:
+        wf = parse_warm_faults(warm_faults)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--warm-faults") from None
     kw = dict(duration_s=duration, moves=moves, suspends=suspends, make_rooms=make_rooms,
               moves_per_minute=moves_per_minute, faults=fl, triggers=parse_triggers(triggers), flap_s=flap_s,
+              warm_faults=wf,
               streams=streams,
               workers=workers, seed=seed, png=png, engine=engine.value, run_budget_s=budget,
               step_budget_s=step_budget,
@@ -135,8 +146,13 @@ def _print_report(rep: dict) -> None:
                       + "; ".join(o["problems"])[:200]), highlight=False)
         for line in o.get("controller") or ["the controller did nothing"]:
             console.print(f"    {line}", highlight=False)
+    for name, o in rep.get("warm_faults", {}).items():  # how the start after each warm image fault went
+        start = o.get("start") or {}
+        console.print(f"warm image {name} (step {o['step']}): " + ("ok" if o["ok"] else "[red]NO[/] "
+                      + "; ".join(o["problems"])[:200]) + f" - start {start.get('how')}: "
+                      + str(start.get("reason") or "")[:160], highlight=False)
     for o in rep.get("scheduling_steps", []):
-        if o.get("trigger"):
+        if o.get("trigger") or o.get("warm"):
             continue
         if not o.get("fault"):
             console.print(f"{o['kind']} (step {o['step']}): {o['result']} "
