@@ -69,7 +69,7 @@ def _transfer_ports(h) -> dict[int, int]:
         argv = cmdline(pid)
         criu = bool(argv) and argv[0].endswith("criu") and (argv[1:2] == ["page-server"]
                                                            or (argv[1:2] == ["dump"] and "--lazy-pages" in argv))
-        if criu or "relocator.agent.pump" in argv or "relocator.agent.postcopy" in argv:
+        if criu or any(m in argv for m in ("relocator.agent.pump", "relocator.agent.postcopy", "relocator.agent.front")):
             pids.add(pid)
     return listening_ports(pids, h.netns)
 

@@ -62,8 +62,9 @@ def test_port_scan_from_another_emulated_host_during_stream_and_postcopy(emulate
     """(Runs before the host-loss test below, which leaves h2 and h3 lost.) `relocator up --emulate-hosts 3`: a worker moved between h2 and h3 (stream, TLS: the hosts
     are separate namespaces), then again (postcopy) while h1, with no credentials, probes every port
     the move's transfer processes listen on (tests/emulated_port_scan.py): no byte of data
-    comes back, and the worker serves at the end (moved, or rolled back by a probe that ended
-    a one-connection page server: docs/security.md "Not covered")."""
+    comes back, and the worker serves at the end (CRIU's page servers sit behind a TLS front
+    that refuses a probe and keeps the port for the move: docs/security.md; a rollback of the
+    move's own is still allowed)."""
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(repo), "RAY_AUTH_MODE": "disabled"}
     proc = subprocess.run([sys.executable, str(repo / "tests" / "emulated_port_scan.py"), emulated_cluster["base_dir"]],

@@ -199,3 +199,95 @@ def test_the_dumps_credential_lives_only_while_it_connects(move: dict) -> None:
         assert d is None
     with move_credential({"address": "127.0.0.1", "port": 1}, ("127.0.0.1", 1)) as d:
         assert d is None
+
+
+# -- with real CRIU: a dump through the front into a page server on a socket pair ----------------
+def _criu_ok() -> bool:
+    import os
+    import shutil
+
+    from relocator.snapshot import criu
+
+    try:
+        criu.criu_binary()
+    except criu.CriuError:
+        return False
+    return os.geteuid() == 0 and bool(shutil.which("setsid"))
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not _criu_ok(), reason="CRIU dumps as root")
+def test_a_real_dump_gets_through_behind_a_stranger_and_a_replay_does_not(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stream's receiver (PageReceiver) with its front: a silent stranger connected first
+    and a dump presenting an earlier move's credential (refused in well under a second, the
+    dump failing with CRIU's TLS error) leave the page server waiting; the move's own dump
+    then streams every page, and the receiver's account names the refusals."""
+    import subprocess
+    import sys
+
+    from relocator.agent.pagestream import PageReceiver
+    from relocator.snapshot import criu
+
+    monkeypatch.setenv("RELOCATOR_LOCAL_LINKS", "0")  # the TCP route, as between two hosts
+    monkeypatch.setenv(credentials.ENV_DIR, str(credentials.install(
+        credentials.for_node(credentials.make_cluster(), "n1"), tmp_path / "creds", export=False)))
+    worker = subprocess.Popen(["setsid", sys.executable, "-c",
+                               "import time\nx = bytearray(16 << 20)\nx[::4096] = b'1' * (len(x) // 4096)\n"
+                               "print('ready', flush=True)\ntime.sleep(600)"],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    rx = PageReceiver(tmp_path / "dst", "127.0.0.1")
+    try:
+        assert worker.stdout is not None and worker.stdout.readline() == b"ready\n"
+        rx.start()
+        offer = rx.offer()
+        assert offer["credential"]["id"] == rx.move["id"], offer.keys()  # type: ignore[index]
+        stranger = socket.create_connection(("127.0.0.1", offer["port"]))
+
+        def dump(bundle: dict, name: str) -> tuple[subprocess.CompletedProcess, float]:
+            d = credentials.install_move(bundle)
+            src = tmp_path / name
+            src.mkdir()
+            t = time.monotonic()
+            try:
+                return subprocess.run([criu.criu_binary(), "dump", "-t", str(worker.pid), "-D", str(src), "-o",
+                                       "dump.log", "-v2", "--leave-running", "--page-server", "--address",
+                                       "127.0.0.1", "--port", str(offer["port"]), *credentials.criu_tls_args(str(d))],
+                                      capture_output=True, text=True, timeout=60), time.monotonic() - t
+            finally:
+                credentials.remove_move(d)
+
+        replay, took = dump(credentials.make_move()["peer"], "replay")
+        assert replay.returncode != 0 and took < 10, (replay.returncode, took, rx.front.why())  # type: ignore[union-attr]
+        assert "not trusted" in (tmp_path / "replay" / "dump.log").read_text(), "CRIU's error should say why"
+        ok, took = dump(offer["credential"], "src")
+        assert ok.returncode == 0, criu._log_tail(tmp_path / "src" / "dump.log")
+        out = rx.finish(timeout=30)
+        stranger.close()
+        assert out["page_bytes"] >= 16 << 20 and out["link"] == "tls", out
+        assert out["front_refused"] >= 2, out  # the stranger and the replay
+    finally:
+        rx.abort()
+        worker.kill()
+
+
+def test_the_controller_hands_the_keeper_its_credential_and_never_stores_it(tmp_path: Path) -> None:
+    """The post-copy source's reply carries the keeper's end of the move's credential: the
+    controller passes it to the target's restore and keeps it out of the stored record."""
+    import json
+
+    from relocator.controller.model import DONE, Relocation
+    from relocator.controller.transfers import strategy
+    from tests.test_transfer_units import _machine_env, _PostCopyBackend
+
+    be = _PostCopyBackend({})
+    cred = {"id": "ab" * 8, "ca_cert": "CA", "cert": "C", "key": "SECRET-KEY"}
+    dump_lazy = be.dump_lazy
+    be.dump_lazy = lambda node, cell, image_dir: {**dump_lazy(node, cell, image_dir), "credential": cred}
+    store, m = _machine_env(tmp_path, be)
+    rel = m.run(Relocation(id="r1", worker="w1", src="n1", transfer="postcopy"))
+    assert rel.result == DONE, rel.error
+    assert be.page_source["credential"] == cred, be.page_source
+    saved = json.dumps([store.relocation("r1").__dict__, rel.__dict__, store.events_after(0)], default=str)
+    assert "SECRET-KEY" not in saved, "the move's key went into the relocation record"
+    assert "r1" not in strategy("postcopy")._credentials, "kept after the move"  # type: ignore[attr-defined]

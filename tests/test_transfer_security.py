@@ -133,7 +133,7 @@ def _a_lazy_page(pid: int) -> tuple[int, int]:
 
 def _transfer_pids(base: str) -> set[int]:
     """The transfer processes of the cluster at `base` running now: CRIU page servers, lazy
-    dumps and lazy-pages daemons, keepers, pumps, whose directories are under `base` or its
+    dumps and lazy-pages daemons, keepers, pumps, the lazy dump's TLS front, whose directories are under `base` or its
     tmpfs root (a stream target's image, relocator.agent.transient)."""
     from relocator.agent.transient import transient_root
     from relocator.procs import process_table
@@ -145,7 +145,7 @@ def _transfer_pids(base: str) -> set[int]:
             continue
         criu = argv[0].endswith("criu") and ("page-server" in argv[1:2] or "lazy-pages" in argv[1:2]
                                              or ("dump" in argv[1:2] and "--lazy-pages" in argv))
-        if criu or "relocator.agent.postcopy" in argv or "relocator.agent.pump" in argv:
+        if criu or any(m in argv for m in ("relocator.agent.postcopy", "relocator.agent.pump", "relocator.agent.front")):
             out.add(int(pid))
     return out
 
@@ -179,11 +179,11 @@ def test_port_scan_during_a_move_finds_no_transfer_port_that_serves(relocator_cl
                                                                     transfer: str) -> None:
     """During a move, a client with no credentials connects to every TCP port the move's
     transfer processes listen on (page server, lazy dump, pump: found from their pids) and asks
-    for a page as the lazy-pages daemon would: none answers with a byte of data. A probe that
-    reaches CRIU's one-connection page server before the other agent does ends it: a post-copy
-    then rolls back with the worker serving on its source (a denial of service, never a leak;
-    see docs/security.md), a stream on one host goes on through its unix socket. On the
-    session's loopback cluster; the emulated hosts' scan is the next test."""
+    for a page as the lazy-pages daemon would: none answers with a byte of data. CRIU's page
+    servers sit behind a TLS front (relocator.agent.front) that refuses such a probe and keeps
+    the port for the move's own peer, so the probe does not end the move (its outcome is still
+    allowed to be a rollback: a move can roll back for reasons of its own). On the session's
+    loopback cluster; the emulated hosts' scan is the next test."""
     import threading
 
     ctl, wid = relocator_cluster, scan_worker

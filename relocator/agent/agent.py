@@ -298,7 +298,8 @@ class NodeAgent(ModeOps, WarmCopyOps):  # every transfer mode's ops, warm image 
                                      stall_s=float(page_source.get("stall_s", 3.0)),
                                      throttle_bps=float(page_source.get("throttle_bps", 0.0)),
                                      pump_port=int(page_source.get("pump_port") or 0),
-                                     pump_unix=locallink.same_host(page_source, "pump_unix"))
+                                     pump_unix=locallink.same_host(page_source, "pump_unix"),
+                                     credential=page_source.get("credential"))
             cell = restore(Path(image_dir), RestoreTarget(cell_id=cell_id, verify=verify, gpu_ids=gpu_ids),
                            lazy=lazy)
             restored = time.monotonic() - t0

@@ -159,15 +159,19 @@ class Front:
                         del pending[s]
                         self._refuse(s, peer, f"no TLS handshake within {self.handshake_s:g}s")
                 wait = min([deadline, *(dl for dl, _, _ in pending.values())]) - now
-                rs = [self.lst, *(s for s, (_, _, w) in pending.items() if not w)]
+                rs = [self.lst, self.backend, *(s for s, (_, _, w) in pending.items() if not w)]
                 ws = [s for s, (_, _, w) in pending.items() if w]
                 try:
                     r, w, _ = select.select(rs, ws, [], max(0.0, min(wait, 0.5)))
                 except (OSError, ValueError):  # the listener was closed under us
                     return None
+                if self.backend in r and self._criu_gone():
+                    self.error = "the page server ended before a peer connected"
+                    self._set("closed")
+                    return None
                 if self.lst in r:
                     self._accept(pending)
-                for s in [x for x in (*r, *w) if x is not self.lst]:
+                for s in [x for x in (*r, *w) if x is not self.lst and x is not self.backend]:
                     if s not in pending:
                         continue
                     dl, peer, _ = pending[s]
@@ -197,6 +201,14 @@ class Front:
             for s, (_, peer, _) in pending.items():
                 self._refuse(s, peer, "another peer was admitted" if self.peer else "the front closed")
 
+    def _criu_gone(self) -> bool:
+        try:
+            return self.backend.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
     def _accept(self, pending: dict) -> None:
         try:
             raw, addr = self.lst.accept()
@@ -217,45 +229,36 @@ class Front:
 
     # -- relaying ---------------------------------------------------------------------------
     def relay(self, conn: ssl.SSLSocket) -> None:
-        """Bytes both ways between the admitted peer and CRIU until both have closed. Reads of
-        the TLS side never block (a part of a record waits for the rest in OpenSSL, not here);
-        writes block, bounded by io_s (CRIU's answers are small; its reads keep up)."""
+        """Bytes both ways between the admitted peer and CRIU until one side closes; then the
+        other is closed too (the peer with a TLS close_notify, as CRIU's GnuTLS ends a session).
+        Reads of the TLS side never block (a part of a record waits for the rest in OpenSSL,
+        not here); writes block, bounded by io_s (CRIU's answers are small, its reads keep up)."""
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn.setblocking(False)
         self.backend.settimeout(self.io_s)
-        buf = bytearray(BUF)
-        view = memoryview(buf)
-        peer_open, criu_open = True, True
-        criu_closed_at = 0.0
+        view = memoryview(bytearray(BUF))
         try:
-            while (peer_open or criu_open) and not self._closed.is_set():
-                if criu_open is False and time.monotonic() - criu_closed_at > 5.0:
-                    break  # CRIU ended; the peer did not say goodbye in time
-                rs = ([conn] if peer_open else []) + ([self.backend] if criu_open else [])
-                if peer_open and conn.pending():
-                    r = [conn]
-                else:
-                    r, _, _ = select.select(rs, [], [], 0.5)
+            while not self._closed.is_set():
+                r = [conn] if conn.pending() else select.select([conn, self.backend], [], [], 0.5)[0]
                 if conn in r:
                     n = self._read_tls(conn, view)
-                    if n == 0:  # the peer closed (close_notify or EOF): CRIU gets EOF
-                        peer_open = False
-                        try:
-                            self.backend.shutdown(socket.SHUT_WR)
-                        except OSError:
-                            pass
-                    elif n:
+                    if n == 0:  # the peer closed: CRIU gets EOF
+                        break
+                    if n:
                         self.backend.sendall(view[:n])
                         self.bytes_in += n
                 if self.backend in r:
                     data = self.backend.recv(BUF)
-                    if not data:
-                        criu_open, criu_closed_at = False, time.monotonic()
-                    elif peer_open:
-                        self._send_tls(conn, data)
-                        self.bytes_out += len(data)
+                    if not data:  # CRIU ended its session
+                        break
+                    self._send_tls(conn, data)
+                    self.bytes_out += len(data)
         finally:
-            try:  # our close_notify: CRIU's GnuTLS waits for it when it ends its session
+            try:
+                self.backend.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            try:  # our close_notify (and the peer's, 2 s at most): CRIU's GnuTLS waits for it
                 conn.setblocking(True)
                 conn.settimeout(2.0)
                 conn.unwrap()
@@ -326,3 +329,91 @@ def move_credential(offer: dict | None, route: object) -> Iterator[str | None]:
         yield str(d)
     finally:
         remove_move(d)
+
+
+# -- as a process of its own: the post-copy source's lazy dump outlives its agent ----------------
+def main(argv: list[str] | None = None) -> int:
+    """`python -S -m relocator.agent.front`: a front for the lazy dump whose socket-pair end is
+    `--backend-fd`, with this move's listener credentials (RELOCATOR_MOVE_CREDENTIALS); its port
+    and account go to `--state` (JSON). Ends when the relay ends, the dump ends, or nobody came."""
+    import argparse
+    import json
+    import os
+    import signal
+    import sys
+
+    from relocator.credentials import server_context
+
+    p = argparse.ArgumentParser(prog="python -m relocator.agent.front")
+    p.add_argument("--backend-fd", type=int, required=True)
+    p.add_argument("--address", required=True)
+    p.add_argument("--peer-sha256", default="")
+    p.add_argument("--state", required=True)
+    p.add_argument("--accept-s", type=float, default=300.0)
+    p.add_argument("--handshake-s", type=float, default=2.0)
+    p.add_argument("--status-fd", type=int, default=-1)
+    a = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    backend = socket.socket(fileno=a.backend_fd)
+
+    def save(f: Front) -> None:
+        tmp = a.state + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump({**f.info(), "pid": os.getpid(), "address": f.address, "why": f.why()}, fh)
+        os.replace(tmp, a.state)
+
+    ctx = server_context()
+    if ctx is None:
+        raise SystemExit("the front needs credentials (RELOCATOR_MOVE_CREDENTIALS)")
+    front = Front(a.address, ctx, backend, expect_peer=a.peer_sha256, accept_s=a.accept_s,
+                  handshake_s=a.handshake_s, on_change=save)
+    save(front)
+    if a.status_fd >= 0:
+        os.write(a.status_fd, b"\0")
+        os.close(a.status_fd)
+    front.run()
+    save(front)
+    return 0 if front.state == "done" else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+STATE_FILE = "front.json"
+
+
+def start_process(cell_dir, backend: socket.socket, address: str, tls_dir: str, peer_cert: str,
+                  accept_s: float = 300.0):
+    """The post-copy source's front as a process of its own (it outlives the agent, as the lazy
+    dump does), in the cell's directory; it loads the move's credentials from `tls_dir` as it
+    starts (the caller may remove them then). Returns (process, port)."""
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    from relocator.credentials import ENV_MOVE, cert_sha256
+    from relocator.snapshot import criu
+
+    cell_dir = Path(cell_dir)
+    state = cell_dir / STATE_FILE
+    state.unlink(missing_ok=True)
+    repo = str(Path(__file__).resolve().parents[2])
+    argv = [sys.executable, "-S", "-m", "relocator.agent.front", "--backend-fd", str(backend.fileno()),
+            "--address", address, "--peer-sha256", cert_sha256(peer_cert), "--state", str(state),
+            "--accept-s", str(accept_s)]
+    proc = criu.CriuProcess(argv, cell_dir / "front.log", "post-copy TLS front", cwd=repo,
+                            env={**os.environ, "PYTHONPATH": repo, ENV_MOVE: tls_dir}, pass_fds=(backend.fileno(),))
+    proc.start(timeout=30)
+    return proc, int(json.loads(state.read_text())["port"])
+
+
+def read_state(cell_dir) -> dict | None:
+    import json
+    from pathlib import Path
+
+    try:
+        return json.loads((Path(cell_dir) / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None

@@ -232,19 +232,21 @@ def stop(cell_dir: Path) -> None:
 
 
 def start(cell_dir: Path, image_dir: Path, init_pid: int, dump_pid: int, address: str,
-          unix: str = "") -> tuple[object, int]:
+          unix: str = "", tls_dir: str = "") -> tuple[object, int]:
     """Start the pump for a lazy dump (`dump_pid`) of the cell; returns (process, port).
-    `unix`: a socket path where a keeper of this host connects too (relocator.agent.locallink)."""
-    from relocator.credentials import tls_files
+    `unix`: a socket path where a keeper of this host connects too (relocator.agent.locallink).
+    `tls_dir`: the move's own credentials (it loads them as it starts; the keeper of this move
+    is then the only client that passes its handshake)."""
+    from relocator.credentials import ENV_MOVE, tls_files
     from relocator.snapshot import criu
 
-    tls_files()  # this node's certificates, or a CredentialsError naming what is missing
+    tls_files(tls_dir or None)  # the certificates, or a CredentialsError naming what is missing
     repo = str(Path(__file__).resolve().parents[2])
     argv = [sys.executable, "-S", "-m", "relocator.agent.pump", "--cell-dir", str(cell_dir), "--image-dir",
             str(image_dir), "--init-pid", str(init_pid), "--dump-pid", str(dump_pid), "--address", address,
             "--unix", unix]
     proc = criu.CriuProcess(argv, Path(cell_dir) / "pump.log", "post-copy pump", cwd=repo,
-                            env={**os.environ, "PYTHONPATH": repo})
+                            env={**os.environ, "PYTHONPATH": repo, **({ENV_MOVE: tls_dir} if tls_dir else {})})
     proc.start(timeout=30)
     st = read_state(cell_dir) or {}
     return proc, int(st["port"])

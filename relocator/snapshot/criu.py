@@ -314,13 +314,20 @@ def page_server_on(image_dir: Path, sock: int) -> CriuProcess:
 
 
 def lazy_dump(pid: int, image_dir: Path, netns_inode: int, address: str, port: int = 0,
-              extra_args: Sequence[str] = ()) -> tuple[CriuProcess, int]:
+              extra_args: Sequence[str] = (), ps_socket: int | None = None) -> tuple[CriuProcess, int]:
     """The source side of a post-copy: `criu dump --lazy-pages`. Returns once every image but
     the lazy memory is written to `image_dir` and CRIU listens on address:port; the tree stays
     frozen while this process serves its memory to the target's lazy-pages daemon. It exits 0
     when the daemon has every page (the tree is then left stopped), non-zero if the transfer
-    broke (the tree is then let run again: resume_source still has to unlock its network)."""
+    broke (the tree is then let run again: resume_source still has to unlock its network).
+    `ps_socket`: serve on that connected socket instead (one end of a socket pair whose other
+    end a TLS front holds, relocator.agent.front): no port, no TLS in CRIU; returns port 0."""
     image_dir.mkdir(parents=True, exist_ok=True)
+    if ps_socket is not None:
+        cmd = _dump_cmd(pid, image_dir, netns_inode, True, extra_args)
+        proc = CriuProcess(cmd + ["--lazy-pages", "--ps-socket", str(ps_socket)], image_dir / "dump.log",
+                           "dump --lazy-pages", pass_fds=(ps_socket,))
+        return proc.start(), 0
     tls = _tls()  # the keeper on the target is the only client that gets through
 
     def make(p: int) -> CriuProcess:

@@ -218,15 +218,16 @@ def dump(cell: Cell, image_dir: Path, progress: Progress = _noop,
 
 
 def dump_lazy(cell: Cell, image_dir: Path, address: str, port: int = 0,
-              progress: Progress = _noop) -> tuple[Image, criu.CriuProcess, int]:
+              progress: Progress = _noop, ps_socket: int | None = None) -> tuple[Image, criu.CriuProcess, int]:
     """The source of a post-copy: every image but the worker's anonymous memory into
     `image_dir` (manifest marked `pages: lazy`), the tree frozen, its memory served on
     address:port by the returned CRIU process until a lazy restore has all of it (then the
-    process exits 0 and the tree is stopped, as after `dump`). Returns (image, process, port)."""
+    process exits 0 and the tree is stopped, as after `dump`). Returns (image, process, port).
+    `ps_socket`: served on that socket instead of a port (criu.lazy_dump; port 0 then)."""
     image_dir = Path(image_dir)
 
     def run(ino: int, args: list[str]) -> tuple[criu.CriuProcess, int]:
-        return criu.lazy_dump(cell.init_pid, image_dir, ino, address, port, extra_args=args)
+        return criu.lazy_dump(cell.init_pid, image_dir, ino, address, port, extra_args=args, ps_socket=ps_socket)
 
     img, (proc, bound) = _dump(cell, image_dir, progress, run, PagesMode.LAZY)
     return img, proc, bound

@@ -39,29 +39,41 @@ class PostcopyOps(ModeBase):
         from relocator.snapshot import dump_lazy
         from relocator.snapshot.images import lazy_bytes
 
+        from relocator import credentials
+
         with self._lock(cell_id):
             t0 = time.monotonic()
             cell = load_cell(cell_id)
             address = transfer_address()
-            img, proc, port = dump_lazy(cell, Path(image_dir), address)
-            from relocator.agent.postcopy import _raise_priority
+            # this move's own credentials: the target's keeper gets the peer's end (the offer)
+            move = credentials.make_move() if credentials.tls_files() is not None else None
+            tls_dir = ""
+            try:
+                if move is None:  # the by-hand opt-out only: CRIU's page server on the port
+                    img, proc, port = dump_lazy(cell, Path(image_dir), address)
+                    front_pid = 0
+                else:
+                    img, proc, port, front_pid, tls_dir = self._lazy_behind_front(cell, Path(image_dir), address, move)
+                from relocator.agent.postcopy import _raise_priority
 
-            _raise_priority(proc.pid)  # its page server answers the target's page faults
-            LazySource(cell.dir).record(proc.pid, address, port, str(image_dir))
-            self._lazy_dumps[cell_id] = proc
-            pump_port, pump_error = 0, ""
-            from relocator.agent import locallink
+                _raise_priority(proc.pid)  # its page server answers the target's page faults
+                LazySource(cell.dir).record(proc.pid, address, port, str(image_dir), front_pid=front_pid)
+                self._lazy_dumps[cell_id] = proc
+                pump_port, pump_error = 0, ""
+                from relocator.agent import locallink
 
-            pump_unix = locallink.new_path() if locallink.enabled() else ""  # for a keeper of this host
-            if os.environ.get("RELOCATOR_POSTCOPY_PUSH", "1") != "0":
-                from relocator.agent import pump
-                from relocator.snapshot.criu import CriuError
+                pump_unix = locallink.new_path() if locallink.enabled() else ""  # for a keeper of this host
+                if os.environ.get("RELOCATOR_POSTCOPY_PUSH", "1") != "0":
+                    from relocator.agent import pump
+                    from relocator.snapshot.criu import CriuError
 
-                try:  # the memory's bulk on a channel of its own (relocator.agent.pump)
-                    _, pump_port = pump.start(cell.dir, Path(image_dir), cell.init_pid, proc.pid, address,
-                                              unix=pump_unix)
-                except (CriuError, OSError, KeyError, ValueError) as exc:  # on demand only, then
-                    pump_error = str(exc)[:500]
+                    try:  # the memory's bulk on a channel of its own (relocator.agent.pump)
+                        _, pump_port = pump.start(cell.dir, Path(image_dir), cell.init_pid, proc.pid, address,
+                                                  unix=pump_unix, tls_dir=tls_dir)
+                    except (CriuError, OSError, KeyError, ValueError) as exc:  # on demand only, then
+                        pump_error = str(exc)[:500]
+            finally:  # the front and the pump loaded them as they started: off the disk now
+                credentials.remove_move(tls_dir)
             try:
                 lazy = lazy_bytes(Path(image_dir))
             except Exception:  # noqa: BLE001 - a figure only
@@ -70,7 +82,36 @@ class PostcopyOps(ModeBase):
                     "port": port, "pump_port": pump_port, "pump_error": pump_error,
                     "pump_unix": pump_unix if pump_port else "", "host": locallink.identity(),
                     "seconds": round(time.monotonic() - t0, 3), "timings": img.manifest.timings,
-                    "pages": img.manifest.pages.value}
+                    "pages": img.manifest.pages.value, **({"credential": move["peer"]} if move else {})}
+
+    @staticmethod
+    def _lazy_behind_front(cell: Any, image_dir: Path, address: str, move: dict) -> tuple:
+        """The lazy dump on one end of a socket pair, the TLS front (a process of its own,
+        relocator.agent.front) on the other and on the port: only this move's keeper gets
+        through, a stranger's connection holds nothing up. (image, dump, port, front pid, the
+        move's credentials directory)."""
+        import socket
+
+        from relocator import credentials
+        from relocator.agent import front
+        from relocator.snapshot import dump_lazy
+
+        ours, criu_end = socket.socketpair()
+        try:
+            try:
+                img, proc, _ = dump_lazy(cell, image_dir, address, ps_socket=criu_end.fileno())
+            finally:
+                criu_end.close()  # CRIU has its copy
+            tls_dir = str(credentials.install_move(move["listener"]))
+            try:
+                fp, port = front.start_process(cell.dir, ours, address, tls_dir, move["peer"]["cert"])
+            except BaseException:
+                proc.kill()  # no way in: the dump must not keep the tree frozen
+                credentials.remove_move(tls_dir)
+                raise
+            return img, proc, port, fp.pid, tls_dir
+        finally:
+            ours.close()  # the front has its copy
 
     def lazy_dump_wait(self, cell_id: str, timeout: float = 1.0) -> dict[str, Any]:
         """Whether the cell's lazy dump has ended (its page server served everything): {done,

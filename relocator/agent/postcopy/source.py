@@ -25,9 +25,11 @@ class LazySource:
     def __init__(self, cell_dir: Path) -> None:
         self.cell_dir = Path(cell_dir)
 
-    def record(self, pid: int, address: str, port: int, image_dir: str) -> None:
+    def record(self, pid: int, address: str, port: int, image_dir: str, front_pid: int = 0) -> None:
+        """`front_pid`: the TLS front that holds the port and the dump's socket (relocator.agent.front)."""
         (self.cell_dir / self.FILE).write_text(json.dumps(
-            {"pid": pid, "address": address, "port": port, "image_dir": image_dir, "started_at": time.time()}))
+            {"pid": pid, "address": address, "port": port, "image_dir": image_dir, "started_at": time.time(),
+             "front_pid": front_pid}))
 
     def info(self) -> dict | None:
         try:
@@ -61,7 +63,7 @@ class LazySource:
         if not info or not self.running():
             self.clear()
             return "not running"
-        how = self._end(info["pid"], info["address"], info["port"])
+        how = self._end_front(info) or self._end(info["pid"], info["address"], info["port"])
         if proc is not None:
             try:
                 proc.wait(timeout=5)
@@ -69,6 +71,19 @@ class LazySource:
                 pass
         self.clear()
         return how
+
+    def _end_front(self, info: dict) -> str:
+        """A dump behind a TLS front: ending the front closes the dump's socket (EOF: a dump
+        not yet connected ends as after a session, a connected one as after a cut); "" when
+        there is no front or that did not end the dump in 5 s."""
+        fpid = int(info.get("front_pid") or 0)
+        if not fpid or not procs.alive(fpid) or "relocator.agent.front" not in " ".join(procs.cmdline(fpid)):
+            return ""
+        try:
+            os.kill(fpid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return "front closed" if waits.gone(self.running, 5, every=0.02) else ""
 
     def _end(self, pid: int, address: str, port: int) -> str:
         """Knock, then destroy the socket after a second, then SIGKILL after 5 s: how it ended."""

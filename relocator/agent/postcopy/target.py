@@ -18,8 +18,10 @@ class TargetSession:
     """What a target agent starts for one post-copy restore (snapshot.restore's `lazy` hook)."""
 
     def __init__(self, source: str, port: int, stall_s: float = 3.0, throttle_bps: float = 0.0,
-                 ready_timeout: float = 60.0, pump_port: int = 0, pump_unix: str = "") -> None:
+                 ready_timeout: float = 60.0, pump_port: int = 0, pump_unix: str = "",
+                 credential: dict | None = None) -> None:
         self.source, self.port, self.pump_port, self.pump_unix = source, port, pump_port, pump_unix
+        self.credential = credential  # this move's (the source's make_move): the keeper's identity
         self.stall_s, self.throttle_bps, self.ready_timeout = stall_s, throttle_bps, ready_timeout
         self.proc = None
 
@@ -46,15 +48,22 @@ class TargetSession:
             lazy = lazy_bytes(image_dir)
         except Exception:  # noqa: BLE001 - only a figure
             lazy = 0
-        tls_files()  # this node's certificates, or a CredentialsError naming what is missing
-        env = {**os.environ, "PYTHONPATH": REPO}
+        from relocator.credentials import ENV_MOVE, install_move, remove_move
+
+        # this move's credential, on disk only until the keeper has loaded it (it does before
+        # it connects, and says ready after): without one, this node's own
+        tls_dir = str(install_move(self.credential)) if self.credential else ""
         try:
+            tls_files(tls_dir or None)  # the certificates, or a CredentialsError naming what is missing
+            env = {**os.environ, "PYTHONPATH": REPO, **({ENV_MOVE: tls_dir} if tls_dir else {})}
             self.proc = criu.CriuProcess(self.argv(image_dir, cell_dir, lazy), cell_dir / "keeper.log",
                                          "post-copy keeper", cwd=REPO, env=env)
             self.proc.start(timeout=self.ready_timeout)
         except criu.CriuError as exc:
             state = read_state(cell_dir) or {}
             raise criu.CriuError(f"post-copy could not start: {state.get('error') or exc}") from None
+        finally:
+            remove_move(tls_dir)
 
     def abort(self) -> None:
         """The restore failed: stop the keeper (and with it the daemon and the source link)."""

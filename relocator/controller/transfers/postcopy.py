@@ -84,6 +84,11 @@ class PostcopyTransfer(TransferStrategy):
     verified_on_arrival = True
     calls = PostcopyCalls
 
+    def __init__(self) -> None:
+        # each move's credential for its keeper (the source's make_move), by relocation: in
+        # memory only, never in the record (stored, and shown by the API); gone with the move
+        self._credentials: dict[str, dict] = {}
+
     # -- PLAN ---------------------------------------------------------------------------------
     def problems(self, backend: Any, worker: "WorkerRecord", dst: str) -> list[str]:
         return postcopy_problems(backend.transfer_info(worker.node), backend.transfer_info(dst))
@@ -106,6 +111,9 @@ class PostcopyTransfer(TransferStrategy):
     # -- DUMP / TRANSFER / RESTORE ------------------------------------------------------------
     def dump(self, ctx: Context, rel: "Relocation") -> dict:
         info = ctx.backend.dump_lazy(rel.src, rel.src_cell, rel.image_dir)
+        credential = info.pop("credential", None)
+        if credential:
+            self._credentials[rel.id] = credential
         rel.image_bytes = int(info.get("bytes", 0)) + int(info.get("lazy_bytes", 0))
         rel.postcopy = {"address": info["address"], "port": info["port"],
                         "pump_port": int(info.get("pump_port") or 0), "lazy_bytes": int(info.get("lazy_bytes", 0)),
@@ -118,6 +126,8 @@ class PostcopyTransfer(TransferStrategy):
         source = {"address": rel.postcopy["address"], "port": rel.postcopy["port"],
                   "pump_port": rel.postcopy.get("pump_port", 0), **_local_route(rel.postcopy),
                   **dict(rel.faults.get("postcopy") or {})}
+        if rel.id in self._credentials:  # absent after a controller restart: the front refuses the keeper
+            source["credential"] = self._credentials[rel.id]
         return ctx.backend.restore(rel.dst, rel.dst_image_dir, rel.dst_cell, verified=True,
                                    gpu_ids=rel.dst_gpu_ids or None, page_source=source)
 
@@ -143,6 +153,7 @@ class PostcopyTransfer(TransferStrategy):
     def release(self, ctx: Context, rel: "Relocation") -> dict[str, Any]:
         """The source stays frozen and resumable until every page has arrived on the target
         (the target's keeper says done, the source's lazy dump ends)."""
+        self._credentials.pop(rel.id, None)  # the keeper has used it (it connected at RESTORE)
         st = self._wait_target(ctx, rel)
         page_bytes = int(st.get("page_bytes", 0) or 0)
         started, ended = st.get("started_at"), st.get("ended_at")
@@ -197,6 +208,7 @@ class PostcopyTransfer(TransferStrategy):
         return last
 
     def rollback(self, rel: "Relocation", worker: "WorkerRecord") -> None:
+        self._credentials.pop(rel.id, None)
         if "src_gpu_ids" in rel.postcopy:  # rolled back after its switch
             worker.gpu_ids = list(rel.postcopy["src_gpu_ids"])
 
