@@ -150,9 +150,12 @@ class WarmStarts:
     def _file(self, staged) -> None:
         from relocator.warm.capture import file_staged
 
+        from relocator.procs import this_thread_niced
+
         why = ""
         try:
-            entry = file_staged(staged)
+            with this_thread_niced(19):  # hashing 1.5 GB right after a launch: a move may start meanwhile
+                entry = file_staged(staged)
             log.info("warm image %s filed (%d bytes) from %s", staged.key, entry.bytes, staged.cell.id)
         except Exception as exc:  # noqa: BLE001 - nothing filed; the next cold start tries again
             log.warning("warm image %s of %s not filed: %s", staged.key, staged.cell.id, exc)
