@@ -229,6 +229,21 @@ def criu_processes(table: dict[int, tuple[int, list[str]]], *needles: str) -> li
 
 
 # -- host facts -----------------------------------------------------------------------------------
+def listening_unix_paths(table: str = "/proc/net/unix") -> set[str]:
+    """Paths of the unix sockets something listens on now (this network namespace's table;
+    Flags bit 16, __SO_ACCEPTCON): a socket file not among them is left over."""
+    out = set()
+    try:
+        lines = Path(table).read_text().splitlines()[1:]
+    except OSError:
+        return out
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 8 and int(parts[3], 16) & (1 << 16) and parts[7].startswith("/"):
+            out.add(parts[7])
+    return out
+
+
 def boot_id() -> str:
     """This boot of this host (a PID recorded under another boot is someone else's now)."""
     try:

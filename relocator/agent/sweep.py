@@ -18,25 +18,18 @@ import stat
 import time
 from pathlib import Path
 
+from relocator.credentials import MOVE_NAME, remove_move
+
 LINK_NAME = re.compile(r"^[0-9a-f]{16}\.sock$")  # relocator.agent.locallink.new_path
 LAZY_SOCKET = "lazy-pages.socket"  # criu lazy-pages -W <cell dir>
-MOVE_NAME = re.compile(r"^[0-9a-f]{16}$")  # relocator.credentials.MOVE_NAME
 MIN_AGE_S = 600.0  # longer than any move's listening window (the front waits 300 s at most)
-SO_ACCEPTCON = 1 << 16  # /proc/net/unix Flags: a listening socket
 
 
-def listening_paths(table: str = "/proc/net/unix") -> set[str]:
-    """Paths of unix sockets something listens on now (this network namespace's table)."""
-    out = set()
-    try:
-        lines = Path(table).read_text().splitlines()[1:]
-    except OSError:
-        return out
-    for line in lines:
-        parts = line.split()
-        if len(parts) >= 8 and int(parts[3], 16) & SO_ACCEPTCON and parts[7].startswith("/"):
-            out.add(parts[7])
-    return out
+def listening_paths() -> set[str]:
+    """Unix sockets something listens on now (relocator.procs reads /proc/net/unix)."""
+    from relocator.procs import listening_unix_paths
+
+    return listening_unix_paths()
 
 
 def _real_dir(path: Path) -> bool:
@@ -90,8 +83,6 @@ def stale(state_dir: Path, now: float | None = None, min_age_s: float = MIN_AGE_
 def sweep(state_dir: Path, now: float | None = None, min_age_s: float = MIN_AGE_S,
           live: set[str] | None = None) -> list[str]:
     """Remove the stale sockets and move credentials under `state_dir`; what was removed."""
-    from relocator.credentials import remove_move
-
     removed = []
     for path in stale(state_dir, now, min_age_s, live):
         try:
