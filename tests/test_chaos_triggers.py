@@ -218,3 +218,17 @@ def test_the_report_lists_trigger_outcomes_with_what_the_controller_did():
     outs, scheduling = outcomes([rec, skipped], {}, ChaosConfig())
     assert outs[0]["ok"] and outs[0]["trigger"] == "gpu-remap" and outs[0]["controller"] == rec["controller"]
     assert scheduling[1]["trigger"] == "gpu-flap" and not scheduling[1]["ok"]
+
+
+def test_the_text_report_prints_each_trigger_fault_with_the_controllers_lines(capsys):
+    from relocator.cli.chaos import _print_report
+
+    rep = {"relocations": 1, "faults_injected": 0, "triggers_injected": 2, "faults": {}, "ok": False,
+           "triggers": {"gpu-remap": {"step": 0, "ok": True, "problems": [], "controller": ["+0.1s GPU 2: a → b"]},
+                        "gpu-flap": {"step": 1, "ok": False, "problems": ["3 moves > the budget of 2"],
+                                     "controller": []}}}
+    _print_report(rep)
+    out = capsys.readouterr().out
+    assert "chaos: 1 relocations, 0 faults, 2 trigger faults" in out and "┏" not in out, out  # no empty table
+    assert "trigger gpu-remap (step 0): ok" in out and "+0.1s GPU 2: a → b" in out, out
+    assert "3 moves > the budget of 2" in out and "the controller did nothing" in out and "FAILED" in out, out

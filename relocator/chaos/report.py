@@ -149,11 +149,15 @@ def figures(cfg: Any, rep: Any, ref: Any, moves: list[dict], leaked: dict[str, l
     if cfg.png:
         rep.write_png(cfg.png, phases=phase_spans(moves))
     plain = [m for m in moves if not m.get("fault") and m.get("kind") in (None, StepKind.MOVE)]
+    steps = [m for m in moves if not m.get("trigger")]  # a trigger step is no relocation: its moves are
+    by_policy = [r for m in moves if m.get("trigger") for r in m.get("moves") or []]
     return {
-        "relocations": len([m for m in moves if m.get("result") not in ("skipped", None)]),
-        "relocations_done": sum(m.get("result") == "done" for m in moves),
+        "relocations": len([m for m in steps if m.get("result") not in ("skipped", None)]) + len(by_policy),
+        "relocations_done": sum(m.get("result") == "done" for m in steps) + sum(r.get("result") == "done"
+                                                                                for r in by_policy),
         "plain_moves": len(plain), "plain_moves_done": sum(m.get("result") == "done" for m in plain),
-        "faults_injected": sum(bool(m.get("injected")) for m in moves),
+        "faults_injected": sum(bool(m.get("injected")) for m in steps),
+        "triggers_injected": sum(bool(m.get("injected")) for m in moves if m.get("trigger")),
         "failed_requests": summ["failed_requests"], "failed_requests_by_fault": by_fault,
         "requests": summ["requests"], "failed_by_error": summ["errors"], "tokens": summ["tokens"],
         "tokens_checked_requests": tc.checked,

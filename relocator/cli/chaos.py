@@ -132,7 +132,8 @@ def chaos_cmd(duration: float = typer.Option(None, "--duration", help="stop star
 
 def _print_report(rep: dict) -> None:
     """The chaos report as a table of faults and a few lines of totals."""
-    t = Table(title=f"chaos: {rep.get('relocations')} relocations, {rep.get('faults_injected')} faults")
+    t = Table(title=f"chaos: {rep.get('relocations')} relocations, {rep.get('faults_injected')} faults"
+                    + (f", {rep['triggers_injected']} trigger faults" if rep.get("triggers_injected") else ""))
     for c in ("fault", "result", "ok", "serving again s", "problems"):
         t.add_column(c)
     for name, o in rep.get("faults", {}).items():
@@ -140,7 +141,10 @@ def _print_report(rep: dict) -> None:
                   "; ".join(o["problems"])[:120])
     for name, why in rep.get("skipped_faults", {}).items():  # cannot apply on this cluster
         t.add_row(name, "skipped", "-", "-", why[:120])
-    console.print(t)
+    if rep.get("faults") or rep.get("skipped_faults") or not rep.get("triggers"):
+        console.print(t)
+    else:
+        console.print(t.title)
     for name, o in rep.get("triggers", {}).items():  # what the controller did about each trigger fault
         console.print(f"trigger {name} (step {o['step']}): " + ("ok" if o["ok"] else "[red]NO[/] "
                       + "; ".join(o["problems"])[:200]), highlight=False)
