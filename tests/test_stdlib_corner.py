@@ -1,4 +1,4 @@
-"""The stdlib-only corner: the post-copy keeper and pump run under `python -S` (no site-packages),
+"""The stdlib-only corner: the post-copy keeper, pump and TLS front run under `python -S` (no site-packages),
 so they, and everything they import, must load without psutil, tenacity or the agent's side."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PROBE = """
 import sys
-import relocator.agent.postcopy.keeper, relocator.agent.pump
+import relocator.agent.postcopy.keeper, relocator.agent.pump, relocator.agent.front
 from relocator.snapshot import criu, images
 from relocator import credentials
 third = sorted(m for m in sys.modules if m.split('.')[0] in ('psutil', 'tenacity', 'pydantic', 'ray'))
