@@ -63,6 +63,9 @@ class NodeAgent(ModeOps, WarmCopyOps):  # every transfer mode's ops, warm image 
         self._receivers: dict[str, Any] = {}
         self._lazy_dumps: dict[str, Any] = {}
         self.started_at = time.time()
+        from relocator.agent.lastwords import LastWords
+
+        self.last_words_of = LastWords(self.state_dir)  # a crashed worker's log, kept
         self.warm = WarmStarts(node, self._cluster_base(), fetch=self.fetch_warm_from_peers)  # issue 28
         self.adopted = self._adopt()
 
@@ -164,9 +167,12 @@ class NodeAgent(ModeOps, WarmCopyOps):  # every transfer mode's ops, warm image 
             try:
                 cell = load_cell(cell_id)
             except CellError:
+                self.last_words_of.keep(cell_id)
                 return CellState.ABSENT
             if not cell.is_alive():
+                self.last_words_of.keep(cell_id)
                 return CellState.ABSENT
+            self.last_words_of.watch(cell.id, cell.log_path)
             self._wait_criu(cell)
             return cell.state()
 
@@ -231,6 +237,7 @@ class NodeAgent(ModeOps, WarmCopyOps):  # every transfer mode's ops, warm image 
             t0 = time.monotonic()
             # a warm restore of its kind when the node has one, else cold (and captured)
             cell, ready_s, warm = self.warm.start(spec, engine, cell_id, cell_gpus, ready_timeout)
+            self.last_words_of.watch(cell.id, cell.log_path)
             return {**self._describe(cell), "ready_s": round(ready_s, 3),
                     "launch_s": round(time.monotonic() - t0, 3), "warm": warm}
 
@@ -303,11 +310,13 @@ class NodeAgent(ModeOps, WarmCopyOps):  # every transfer mode's ops, warm image 
             cell = restore(Path(image_dir), RestoreTarget(cell_id=cell_id, verify=verify, gpu_ids=gpu_ids),
                            lazy=lazy)
             restored = time.monotonic() - t0
+            self.last_words_of.watch(cell.id, cell.log_path)
             try:
                 # post-copy: every probe may wait on pages still on their way
                 ready = asyncio.run(wait_ready(cell, timeout=ready_timeout, poll=0.02 if lazy else 0.05))
             except BaseException:
                 stop_keeper(cell.dir)
+                self.last_words_of.forget(cell.id)
                 cell.kill()
                 raise
             out = {**self._describe(cell), "criu_restore_s": round(restored, 3), "health_s": round(ready, 3),
@@ -320,6 +329,10 @@ class NodeAgent(ModeOps, WarmCopyOps):  # every transfer mode's ops, warm image 
             if lazy:
                 out["postcopy"] = self._postcopy_state(cell.dir)
             return out
+
+    def last_words(self, cell_id: str) -> str | None:
+        """The end of the log of a cell that died by itself (not killed), once found dead."""
+        return self.last_words_of.read(cell_id)
 
     def kill(self, cell_id: str) -> bool:
         from relocator.agent.postcopy import LazySource, stop_keeper
@@ -335,6 +348,7 @@ class NodeAgent(ModeOps, WarmCopyOps):  # every transfer mode's ops, warm image 
             if LazySource(cell.dir).running():  # a post-copy source: its lazy dump
                 LazySource(cell.dir).abort(lazy)
             _report_if_ran(cell)
+            self.last_words_of.forget(cell_id)
             cell.kill()
             return True
 
@@ -344,6 +358,7 @@ class NodeAgent(ModeOps, WarmCopyOps):  # every transfer mode's ops, warm image 
         killed = []
         for cell in list_cells():
             with self._lock(cell.id):
+                self.last_words_of.forget(cell.id)
                 cell.kill()
                 killed.append(cell.id)
         return killed

@@ -41,7 +41,6 @@ class BackendPorts:
     #: (controller/warmwhere.py: {warm: here|near|"", why}); `auto`'s handoff choice
     warm_image: Callable[[str, str], dict[str, Any]] = lambda worker_id, node: {}
 
-
     @classmethod
     def of(cls, ctl: Any) -> "BackendPorts":
         """The ports of a controller (its inventory, node_dir, place, router, store, config)."""
@@ -126,6 +125,9 @@ class AgentClient:
 
     def cell_state(self, node: str, cell_id: str, timeout: float = AGENT_TIMEOUT_S) -> str:
         return self.call(node, lambda a: a.cell_state.remote(cell_id), "cell_state", timeout)
+
+    def last_words(self, node: str, cell_id: str, timeout: float = 30) -> str | None:
+        return self.call(node, lambda a: a.last_words.remote(cell_id), "last_words", timeout)
 
     def worker_profile(self, node: str, cell_id: str) -> dict:
         return self.call(node, lambda a: a.worker_profile.remote(cell_id), "worker_profile", 60)
