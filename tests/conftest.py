@@ -87,6 +87,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failed test on the session cluster lists the workers that died by themselves while
+    it ran, each with the end of its log (a crashed engine's cell and log are gone by the time
+    anyone reads CI's output)."""
+    outcome = yield
+    rep = outcome.get_result()
+    ctl = getattr(item, "funcargs", {}).get("relocator_cluster")
+    if rep.when != "call" or not rep.failed or ctl is None:
+        return
+    try:
+        lost = [e for e in ctl.events(since=0, kinds=["worker_lost"], idle_timeout=1.0, wait_s=1.0)
+                if e.get("ts", 0) >= call.start - 60]
+    except Exception as exc:  # noqa: BLE001 - a report, never a second failure
+        rep.sections.append(("workers lost", f"(the controller's events could not be read: {exc})"))
+        return
+    if lost:
+        text = "\n\n".join(f"{e.get('worker')} on {e.get('node')}: {e.get('error')}\n{e.get('last_words', '')}"
+                           for e in lost)
+        rep.sections.append(("workers lost while it ran (their last words)", text))
+
+
 @pytest.fixture(scope="session")
 def worker_cell(tiny_model_dir: Path):
     """A real vLLM CPU worker in a cell (own namespaces), shared by the integration tests.
