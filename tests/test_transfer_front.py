@@ -291,3 +291,100 @@ def test_the_controller_hands_the_keeper_its_credential_and_never_stores_it(tmp_
     saved = json.dumps([store.relocation("r1").__dict__, rel.__dict__, store.events_after(0)], default=str)
     assert "SECRET-KEY" not in saved, "the move's key went into the relocation record"
     assert "r1" not in strategy("postcopy")._credentials, "kept after the move"  # type: ignore[attr-defined]
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not _criu_ok(), reason="CRIU dumps as root")
+@pytest.mark.parametrize("end", ["keeper", "given-up"])
+def test_a_lazy_dump_behind_its_front_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, end: str) -> None:
+    """`criu dump --lazy-pages --ps-socket` behind the post-copy's front process: a cluster
+    member's certificate is refused, the move's keeper (its credential) gets a page and closes
+    the session (the dump exits 0); or the move is given up: killing the front ends the dump
+    at once (LazySource's way), with nobody connected."""
+    import os
+    import subprocess
+    import sys
+
+    from relocator.agent import front
+    from relocator.agent.postcopy.base import PS_IOV_CLOSE, PS_IOV_GET, PSI, lazy_ranges
+    from relocator.snapshot import criu
+
+    monkeypatch.setenv(credentials.ENV_DIR, str(credentials.install(
+        credentials.for_node(credentials.make_cluster(), "n1"), tmp_path / "creds", export=False)))
+    worker = subprocess.Popen(["setsid", sys.executable, "-c",
+                               "import time\nx = bytearray(8 << 20)\nx[::4096] = b'1' * (len(x) // 4096)\n"
+                               "print('ready', flush=True)\ntime.sleep(600)"],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    mv = credentials.make_move()
+    img, cell = tmp_path / "img", tmp_path / "cell"
+    img.mkdir()
+    cell.mkdir()
+    dump = fp = None
+    try:
+        assert worker.stdout is not None and worker.stdout.readline() == b"ready\n"
+        ours, theirs = socket.socketpair()
+        dump = criu.CriuProcess([criu.criu_binary(), "dump", "-t", str(worker.pid), "-D", str(img), "-o", "dump.log",
+                                 "-v2", "--lazy-pages", "--ps-socket", str(theirs.fileno())], img / "dump.log",
+                                "dump --lazy-pages", pass_fds=(theirs.fileno(),)).start()
+        theirs.close()
+        tls_dir = str(credentials.install_move(mv["listener"]))
+        fp, port = front.start_process(cell, ours, "127.0.0.1", tls_dir, mv["peer"]["cert"])
+        ours.close()
+        credentials.remove_move(tls_dir)  # loaded as it started
+        member = credentials.client_context()
+        assert member is not None
+        with pytest.raises(ssl.SSLError):
+            with member.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=5)) as s:
+                s.sendall(b"x")
+                s.recv(1)
+        if end == "given-up":
+            t = time.monotonic()
+            os.kill(fp.pid, 9)
+            assert dump.wait(10) is not None and time.monotonic() - t < 5, "the dump outlived its front"
+            return
+        with credentials.move_context(mv["peer"], server=False).wrap_socket(
+                socket.create_connection(("127.0.0.1", port), timeout=5)) as s:
+            pid, vaddr, _ = lazy_ranges(img)[0]
+            s.sendall(PSI.pack(PS_IOV_GET, 1, vaddr, pid))
+            got = b""
+            while len(got) < PSI.size + 4096:
+                b = s.recv(65536)
+                assert b, f"the front closed after {len(got)} bytes: {front.read_state(cell)}"
+                got += b
+            assert PSI.unpack(got[:PSI.size])[2] == vaddr, got[:PSI.size]
+            s.sendall(PSI.pack(PS_IOV_CLOSE, 0, 0, 0))
+            assert s.recv(4) == b"\0\0\0\0", "CRIU acknowledges the CLOSE"
+        assert dump.wait(10) == 0, criu._log_tail(img / "dump.log")
+        assert fp.wait(10) == 0
+        st = front.read_state(cell) or {}
+        assert st.get("state") == "done" and st.get("refused") == 1, st
+    finally:
+        for p in (dump, fp):
+            if p is not None:
+                p.kill()
+        worker.kill()
+
+
+def test_giving_up_a_post_copy_ends_its_front_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LazySource.abort of a dump behind a front kills the front (the dump's socket closes, it
+    ends), not the old knock, which the front would refuse (a cluster member's certificate)."""
+    from relocator.agent.postcopy import source as src_mod
+
+    killed: list[int] = []
+    dump_running = [True]
+    monkeypatch.setattr(src_mod.procs, "alive", lambda pid: pid in (11, 22) and not (pid == 22 and 22 in killed))
+    monkeypatch.setattr(src_mod.procs, "cmdline", lambda pid: ["python", "-S", "-m", "relocator.agent.front"]
+                        if pid == 22 else ["criu", "dump", "--lazy-pages"])
+
+    def kill(pid: int, sig: int) -> None:
+        killed.append(pid)
+        if pid == 22:
+            dump_running[0] = False  # EOF on its socket: the dump ends
+
+    monkeypatch.setattr(src_mod.os, "kill", kill)
+    monkeypatch.setattr(src_mod.LazySource, "running", lambda self: dump_running[0])
+    monkeypatch.setattr(src_mod, "knock", lambda *a: pytest.fail("knocked on a front"))
+    ls = src_mod.LazySource(tmp_path)
+    ls.record(11, "127.0.0.1", 4242, str(tmp_path / "img"), front_pid=22)
+    monkeypatch.setattr(ls, "clear", lambda: None)
+    assert ls.abort() == "front closed" and killed == [22], killed
