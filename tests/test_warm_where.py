@@ -37,3 +37,27 @@ def test_never_warm_when_it_cannot_be_known() -> None:
     assert silent["warm"] == "" and "n2 did not list its warm images (TimeoutError" in silent["why"], silent
     no_copy = _where({"n1": {"k"}, "n2": set()}, cfg=WarmConfig.model_validate({"prefetch": {"on_demand": False}}))
     assert no_copy["warm"] == "" and "on-demand copies are off" in no_copy["why"], no_copy
+
+
+def test_the_ray_backend_asks_the_controllers_port_and_auto_takes_a_handoff_on_it() -> None:
+    from pathlib import Path
+
+    from relocator.controller import transfers
+    from relocator.controller.backend import BackendPorts, RayBackend
+    from relocator.controller.model import WorkerRecord
+
+    asked: list[tuple[str, str]] = []
+
+    def warm_image(worker_id: str, node: str) -> dict:
+        asked.append((worker_id, node))
+        return {"warm": "here", "why": f"{node} holds a warm image of its kind (k)"}
+
+    be = RayBackend(BackendPorts(inventory=lambda refresh=False: {}, node_dir=lambda n: Path("/b/nodes") / n,
+                                 place=None, router=None, worker=None, setting={}.get, warm_image=warm_image))
+    w = WorkerRecord(id="w1", model="m", node="n1", gpus=1, cell_id="c1", model_dir="/models/m")
+    chosen, why = transfers.choose(be, w, "n2", "auto")  # handoff is tried first: no other probe runs
+    assert chosen.mode == "handoff" and asked == [("w1", "n2")], (chosen.mode, why, asked)
+    assert why == "handoff (make-before-break): n2 holds a warm image of its kind (k); " \
+                  "the second copy starts while the source serves"
+    # a controller without the port (BackendPorts' default): nothing is warm, a freezing mode is chosen
+    assert BackendPorts(None, None, None, None, None, None).warm_image("w1", "n2") == {}  # type: ignore[arg-type]
