@@ -47,6 +47,17 @@ def alive(pid: int | None) -> bool:
     return status(pid) not in (None, *_DEAD)
 
 
+def started_at(pid: int | None) -> float | None:
+    """When `pid` started (psutil's create_time: boot time + the start ticks of /proc/<pid>/stat,
+    the same number for the same process every time); None: gone. With `pid` it names one
+    process: PIDs are reused (pid_max is 32768 on the machines we run on; CI wrapped around)."""
+    p = _proc(pid)
+    try:
+        return p.create_time() if p else None
+    except _GONE:
+        return None
+
+
 def stopped(pid: int | None) -> bool:
     """`pid` is stopped (SIGSTOP, or by a tracer such as CRIU)."""
     return status(pid) in _STOPPED

@@ -82,6 +82,13 @@ class Cell:
     boot_id: str = field(default_factory=boot_id)  # the host boot its PIDs belong to
     #: its device profile (relocator.cell.devices.DeviceProfile as data); empty: no GPU
     devices: dict[str, Any] = field(default_factory=dict)
+    #: when its init started (procs.started_at): a process with its PID that started at another
+    #: time is someone else's (PIDs wrap around); None in records written before this field
+    init_started: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.init_started is None and procs.alive(self.init_pid) and self.boot_id == boot_id():
+            self.init_started = procs.started_at(self.init_pid)
 
     @property
     def gpu_ids(self) -> list[int]:
@@ -112,7 +119,12 @@ class Cell:
     def is_alive(self) -> bool:
         if self.boot_id and self.boot_id != boot_id():
             return False  # recorded on another host or boot: its PID is someone else's now
-        return procs.alive(self.init_pid)
+        if not procs.alive(self.init_pid):
+            return False
+        if self.init_started is None:
+            return True
+        started = procs.started_at(self.init_pid)
+        return started is not None and abs(started - self.init_started) < 1e-3
 
     def is_stopped(self) -> bool:
         return procs.all_stopped(self.pids())
