@@ -21,6 +21,7 @@ from adapters.codec import ContinuationCodec, Kind
 
 from . import errors, fanout
 from .engine_calls import EngineCalls
+from .engine_errors import Failures
 from .errors import RouterError
 from .stream import DONE, StreamState
 from .suspect import Patience, Suspects
@@ -75,6 +76,7 @@ class RouterCore:
         self.suspects = Suspects(table, self.hooks, unreachable_hold_s,
                                  probe if probe is not None else getattr(upstream, "health", None),
                                  probe_interval_s)
+        self.failures = Failures(table, self.hooks)
 
     # ---- the suspect holds (router/suspect.py) ------------------------------------------
     @property
@@ -213,8 +215,12 @@ class RouterCore:
                 moves += t.moved  # the worker moved while we waited: ask again, at its new place
                 last = t.error or last
                 continue
-            self._leave(r, t.handle)
             resp, data = t.out
+            if self.failures.answered(model, r.worker_id, resp.status, [], tried,
+                                      len(tried) < self.retries):
+                self._drop(r, t.handle, resp)
+                continue
+            self._leave(r, t.handle)
             self.hooks.ttfb(time.perf_counter() - t0)
             self.hooks.request_done(r.worker_id, resp.status)
             return Unary(resp.status, data, resp.content_type or "application/json")
@@ -228,6 +234,7 @@ class RouterCore:
         st = StreamState(kind, body, raw, continuation=self.continuation)
         path = PATHS[kind]
         tried: list[str] = []
+        shun: list[str] = []  # replicas whose engine failed this request: not again
         last: Exception | None = None
         patience = Patience()
 
@@ -244,9 +251,17 @@ class RouterCore:
                 last = t.error or last
                 continue
             if t.out.status != 200:
+                if self.failures.answered(model, r.worker_id, t.out.status, shun, tried,
+                                          len(tried) < self.retries):
+                    self._drop(r, t.handle, t.out)
+                    continue
                 return await self._refused(r, t.handle, t.out)
-            return Stream(self._pump(st, model, path, r, t.handle, t.out, t0, patience))
+            return Stream(self._pump(st, model, path, r, t.handle, t.out, t0, shun, patience))
         raise errors.upstream_unavailable(f"No replica of `{model}` answered: {last}")
+
+    def _drop(self, r: Replica, handle: StreamHandle, resp: UpstreamResponse) -> None:
+        resp.close()
+        self._leave(r, handle)
 
     async def _refused(self, r: Replica, handle: StreamHandle,
                        resp: UpstreamResponse) -> Unary:
@@ -280,7 +295,7 @@ class RouterCore:
         return Stream(fanout.merged(body, [s.chunks for s in streams]))  # type: ignore[misc]
 
     async def _pump(self, st: StreamState, model: str, path: str, r: Replica,
-                    handle: StreamHandle, resp: UpstreamResponse, t0: float,
+                    handle: StreamHandle, resp: UpstreamResponse, t0: float, shun: list[str],
                     patience: Patience | None = None) -> AsyncIterator[bytes]:
         patience = patience or Patience()
         status = 200
@@ -296,6 +311,10 @@ class RouterCore:
                     return
                 # ---- the upstream broke (worker moved or died) before the end --------
                 outcome, refusal = self._after_break(st)
+                if st.engine_error is not None:  # a failed engine (router/engine_errors.py)
+                    failure, st.engine_error = st.engine_error, None
+                    refusal = self.failures.in_stream(model, r.worker_id, shun, failure,
+                                                      len(st.sent_ids), refusal)
                 if refusal is not None:
                     status = 599
                     yield refusal
@@ -304,7 +323,7 @@ class RouterCore:
                 self._leave(r, handle)
                 left = True
                 r, handle, resp = await self._reopen(st, model, path, r, moved, outcome,
-                                                     patience)
+                                                     patience, shun)
                 left = False
                 if outcome == "continued":
                     self.hooks.continued("ok")
@@ -333,7 +352,7 @@ class RouterCore:
                     if was_silent:
                         self.hooks.ttfb(time.perf_counter() - t0)
                     yield out
-                if st.done:
+                if st.done or st.engine_error is not None:  # the end, or a failed engine
                     break
                 if out and handle.cut_due:  # a switch at_token: cut right after this token
                     handle.cut_due = False
@@ -361,7 +380,7 @@ class RouterCore:
         return "continued", None
 
     async def _reopen(self, st: StreamState, model: str, path: str, prev: Replica,
-                      moved: bool, outcome: str, patience: Patience):
+                      moved: bool, outcome: str, patience: Patience, shun: list[str]):
         """Find where the stream broken on `prev` (left already) goes on, open the
         continuation there; (replica, handle, response)."""
         attempts = 0
@@ -379,13 +398,18 @@ class RouterCore:
 
         while attempts <= self.retries:
             attempts += 1
-            r = await self._next_replica(model, prev, moved)
+            r = await self._next_replica(model, prev, moved, shun)
             t = await self._attempt(r, model, failed, patience, send)
             if t.out is None:
                 last = t.error or last
                 if t.moved or t.wait:
                     attempts -= 1  # the next turn waits for its switch or release
                 prev, moved = r, t.moved or (t.wait and t.handle.moved)
+                continue
+            if self.failures.answered(model, r.worker_id, t.out.status, shun, None,
+                                      attempts <= self.retries):
+                self._drop(r, t.handle, t.out)
+                prev, moved = r, False
                 continue
             if t.out.status != 200:
                 raise await self._continuation_refused(r, t.handle, t.out)
@@ -396,7 +420,8 @@ class RouterCore:
         raise errors.continuation_failed(f"No replica of `{model}` could continue the stream: "
                                          f"{last}")
 
-    async def _next_replica(self, model: str, prev: Replica, moved: bool) -> Replica:
+    async def _next_replica(self, model: str, prev: Replica, moved: bool,
+                            shun: list[str] | None = None) -> Replica:
         """Where a stream broken on `prev` goes on: an active sibling while `prev` is held (cut
         at the hold, or broken during the freeze: RoutingTable.hold), else the same worker at its
         new endpoint (it moved, or died while held: wait for its switch), else another replica."""
@@ -404,7 +429,7 @@ class RouterCore:
                 (moved or prev.state is ReplicaState.HELD) and not \
                 (prev.state is ReplicaState.HELD and self.table.active_sibling(prev)):
             return await self.table.wait_for(prev)
-        return await self.table.acquire(model, None, exclude=[prev.worker_id])
+        return await self.table.acquire(model, None, exclude=[prev.worker_id, *(shun or ())])
 
     async def _continuation_refused(self, r: Replica, handle: StreamHandle,
                                     resp: UpstreamResponse) -> RouterError:

@@ -8,7 +8,8 @@ messages), and the next token is a function of the ids before it: mostly ASCII l
 then a multi-byte character spread over 2-4 tokens, as real byte-level BPE models emit CJK text
 and emoji. Its text is made the way vLLM makes it (`OutputText`: incremental detokenizer, stop
 strings held back and cut). So a continuation from prompt+sent ids yields exactly the ids an
-uninterrupted run would, and its own text shows what vLLM's does at a splice. Knobs (`cut_after`, `stall_after`, `token_delay_s`, `fail_status`)
+uninterrupted run would, and its own text shows what vLLM's does at a splice. Knobs (`cut_after`,
+`stall_after`, `token_delay_s`, `fail_status`, `error_after`)
 let tests break a stream the way a dying or frozen worker does.
 
     python -m relocator.router.fakeserver --port 9000 --model fake
@@ -110,6 +111,10 @@ class Knobs:
     stall_after: int | None = None  # stop sending after N events, keep the connection (once)
     token_delay_s: float = 0.0
     fail_status: int | None = None  # answer this status (once)
+    #: after N events, send an in-stream error event with `error_code` and [DONE] (once), as
+    #: vLLM does when its EngineCore dies mid-stream (code 500) or a request fails (4xx)
+    error_after: int | None = None
+    error_code: int = 500
     tokens: int = 16  # default max_tokens
 
 
@@ -156,6 +161,15 @@ class FakeEngine:
         return web.json_response({"error": {"message": msg, "type": "BadRequestError",
                                             "param": None, "code": status}}, status=status)
 
+    @staticmethod
+    def _error_event(code: int) -> str:
+        """vLLM's in-stream error (ErrorResponse), then the end marker."""
+        msg = ("EngineCore encountered an issue. See stack trace (above) for the root cause."
+               if code >= 500 else "injected request error")
+        err = {"message": msg, "type": "InternalServerError" if code >= 500 else
+               "BadRequestError", "param": None, "code": code}
+        return f"data: {_dumps({'error': err})}\n\ndata: [DONE]\n\n"
+
     def _inputs(self, kind: str, body: dict) -> tuple[list[int], int]:
         if kind == "chat":
             text = "".join(f"<{m.get('role')}>{m.get('content')}" for m in body["messages"])
@@ -200,12 +214,16 @@ class FakeEngine:
         await resp.prepare(request)
         cut, k.cut_after = k.cut_after, None
         stall, k.stall_after = k.stall_after, None
+        fail_at, k.error_after = k.error_after, None
         self.active += 1
         try:
             for i, ev in enumerate(events):
                 if cut is not None and i == cut:
                     request.transport.close()  # type: ignore[union-attr]
                     return resp
+                if fail_at is not None and i == fail_at:
+                    await resp.write(self._error_event(k.error_code).encode())
+                    break
                 if stall is not None and i == stall:
                     e = asyncio.Event()
                     self._stalls.append(e)

@@ -40,6 +40,12 @@ class PromHooks(Hooks):
             ["reason"], registry=r)
         self.retries = Counter("relocator_router_retries",
                                "Upstream attempts retried before the first byte", registry=r)
+        self.engine_failures = Counter(
+            "relocator_router_engine_failures",
+            "Engine failures seen: an in-stream error event with code >= 500 (stream) or a "
+            "500/502/503/504 answer before any byte (first); each continued or retried on "
+            "another replica where one is left",
+            ["where"], registry=r)
         self.suspects = Counter("relocator_router_suspect_holds",
                                 "Workers held by the router because it could not reach them",
                                 ["backend"], registry=r)
@@ -82,6 +88,9 @@ class PromHooks(Hooks):
 
     def retried(self) -> None:
         self.retries.inc()
+
+    def engine_failure(self, where: str) -> None:
+        self.engine_failures.labels(where).inc()
 
     def suspect_hold(self, worker: str) -> None:
         self.suspects.labels(worker).inc()

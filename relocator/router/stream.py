@@ -22,6 +22,7 @@ from typing import Any
 from adapters.codec import ContinuationCodec, Delta, Kind, chat_logprobs, dumps, parse_ids
 
 from . import sse
+from .engine_errors import is_engine_failure, split_failure
 from .sse import DONE
 
 _DECODER = json.JSONDecoder()
@@ -84,6 +85,9 @@ class StreamState:
         #: are made here, the first one carrying the assistant role
         self.translated = False
         self.role_pending = False
+        #: the engine's failure event (code >= 500) that ended this leg: not sent; the core
+        #: continues the stream, or sends it after all when it cannot (router/engine_errors.py)
+        self.engine_error: bytes | None = None
         if codec is not None:
             self.use(codec)
 
@@ -128,10 +132,13 @@ class StreamState:
     # ------------------------------------------------------------------ normal path
     def feed(self, data: bytes) -> bytes:
         data = self.frames.push(data)
-        if not data:
+        if not data or self.engine_error is not None:
             return b""
         if self.cont:
             return self._feed_cont(data)
+        data, self.engine_error = split_failure(data)
+        if not data:
+            return b""
         if self.first_event is None:
             self.first_event = data
         if self.track:
@@ -191,6 +198,7 @@ class StreamState:
         """The upstream broke before anything reached the client: the request is sent again
         from the start, so nothing of the broken attempt (a partial event) may remain."""
         self.frames.clear()
+        self.engine_error = None
         self.first_event = None
         self.prompt_raw = None
         self.out_raw = []
@@ -240,6 +248,7 @@ class StreamState:
         self.cont = True
         self.legs += 1
         self.frames.clear()
+        self.engine_error = None
         self.leg_codec = codec or self.engine
         if self.legs == 1:
             self.prompt_len = len(self.prompt_ids or ())
@@ -279,6 +288,9 @@ class StreamState:
             if obj is None:
                 continue
             d = self.leg_codec.parse_chunk(obj)
+            if d.error is not None and is_engine_failure(d.error):
+                self.engine_error = b"data: " + dumps(d.error) + b"\n\n"
+                break
             if d.error is not None:
                 out.append(b"data: " + dumps(d.error) + b"\n\n")
                 continue
