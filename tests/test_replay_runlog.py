@@ -26,6 +26,9 @@ def test_key_names_the_list_the_inputs_and_every_option(tmp_path):
     assert k != run_key("default", "d2", cfg)
     assert k != run_key("default", "d1", replace(cfg, seed=44))
     assert k != run_key("default", "d1", replace(cfg, budget_cap=8.0))
+    assert k == run_key("default", "d1", replace(cfg, pack_every_s=7.0))  # read by moves+pack only
+    pack = replace(cfg, mode="moves+pack")
+    assert run_key("default", "d1", replace(pack, pack_every_s=5.0)) != run_key("default", "d1", replace(pack, pack_every_s=7.0))
     a, b = tmp_path / "a.csv", tmp_path / "b.csv"
     a.write_text("x\n")
     b.write_text("y\n")

@@ -5,7 +5,8 @@ again. Before this the bench printed one JSON at the very end, and a run stopped
 nothing.
 
 A run is found by its key: the pod list's name, a digest of the input files (node list, pod
-list, the list lending times) and every field of its :class:`ReplayConfig`. A changed option or
+list, the list lending times) and the fields of its :class:`ReplayConfig` (the packing options
+only for mode ``moves+pack``, the one that reads them). A changed option or
 input file is a new key (its runs are made again); a change of the simulator's code is not
 seen, so start a new file after one. A last line cut short (the bench killed while writing) is
 skipped and that run is made again.
@@ -19,7 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Iterable
 
-from relocator.sim.replay import ReplayConfig
+from relocator.sim.replay import ReplayConfig, ReplayMode
 
 
 class RunLogError(ValueError):
@@ -35,9 +36,19 @@ def inputs_digest(paths: Iterable[Path]) -> str:
     return h.hexdigest()[:16]
 
 
+#: options only mode moves+pack reads: a run of another mode is the same run whatever they are
+#: (so a new default of --pack-every does not make the other modes' runs again)
+PACK_ONLY = ("pack_every_s", "pack_moves")
+
+
 def run_key(pods: str, digest: str, cfg: ReplayConfig) -> str:
-    """The key of one run: the list's name, the inputs' digest and the whole configuration."""
-    return json.dumps({"pods": pods, "inputs": digest, "config": asdict(cfg)}, sort_keys=True)
+    """The key of one run: the list's name, the inputs' digest and the configuration (all of it,
+    less the packing options for the modes that do not pack)."""
+    config = asdict(cfg)
+    if ReplayMode(cfg.mode) is not ReplayMode.MOVES_PACK:
+        for k in PACK_ONLY:
+            config.pop(k, None)
+    return json.dumps({"pods": pods, "inputs": digest, "config": config}, sort_keys=True)
 
 
 def load_runs(path: Path) -> dict[str, dict]:
