@@ -378,3 +378,20 @@ def test_the_copy_outcomes_are_a_prometheus_counter() -> None:
     (fam,) = ControllerCollector.warm_metrics(store)
     samples = {(s.name, s.labels["outcome"]): s.value for s in fam.samples}
     assert samples == {("relocator_warm_copies_total", "deferred"): 1}, samples
+
+
+def test_a_lost_worker_whose_only_holder_is_lost_goes_where_the_planner_says() -> None:
+    from types import SimpleNamespace
+
+    from relocator.controller.workers import WorkerManager
+
+    free = {"b": 2, "c": 2}
+
+    def place(gpus: int, exclude: tuple[str, ...] = ()) -> str | None:
+        fits = [n for n in sorted(free) if free[n] >= gpus and n not in exclude]
+        return fits[0] if fits else None
+
+    # the last round saw the image only on the lost node: no live holder, so no preference
+    mgr = SimpleNamespace(place=place, kinds={"w": "k"},
+                          image_holders=lambda key: ({"lost"}, {"lost", "b", "c"}))
+    assert WorkerManager._place_near_image(mgr, SimpleNamespace(id="w", gpus=1, node="lost")) == "b"
