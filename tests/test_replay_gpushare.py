@@ -75,6 +75,16 @@ def test_a_packing_round_moves_the_lone_share_and_frees_a_node():
         assert rp.cluster.running() == [] and not rp.flights
 
 
+def test_a_packing_round_comes_with_a_whole_move_in_the_bucket_whatever_the_time_scale():
+    # no round by time before the end (pack_every_s past the last arrival): the arrival that
+    # brings a whole move ("late", at 400 s) starts the round that packs c
+    rp = Replay(ONE_GPU, stream_of(SHARES), ReplayConfig(policy="best-fit", mode="moves+pack", budget_per_100=100.0,
+                                                         pack_every_s=10_000.0), TYP)
+    r = rp.run()
+    assert r["pack_moves"] == 1, f"rounds follow the arrivals: {r['pack_moves']} packing moves, {r['moves']} moves"
+    assert rp.by_id["c"].moves == 1
+
+
 def test_packing_stays_within_the_budget():
     rp = Replay(ONE_GPU, stream_of(SHARES), ReplayConfig(policy="best-fit", mode="moves+pack", budget_per_100=0.0,
                                                          pack_every_s=20.0), TYP)

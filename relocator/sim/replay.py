@@ -134,6 +134,7 @@ class Replay(RoomMaker, QueueServer):
         self.m_moves = 0
         self.m_arrivals = 0
         self.pack_moves = 0  # moves of packing rounds (mode moves+pack)
+        self.pack_seen = 0  # whole moves in the bucket after the last packing round (gpushare.on_arrival)
 
     # ------------------------------------------------------------------ events
     def _push(self, t: float, kind: int, a: int, b: int = 0) -> None:
@@ -210,6 +211,8 @@ class Replay(RoomMaker, QueueServer):
                 self.tokens = 0.0
             self.m_arrivals += 1
         self.tokens = min(self.token_cap, self.tokens + self.cfg.budget_per_100 / 100.0)
+        if self.mode is ReplayMode.MOVES_PACK:
+            gpushare.on_arrival(self)  # a packing round each time the bucket gains a whole move
         if not self._static_ok(j.workload):
             self.rejected += 1
             return
