@@ -5,7 +5,9 @@ Used after :func:`consolidate` (which frees whole nodes) by the controller's `co
 by anything replaying a trace with moves of fractional pods (the same code, issue 31). Moves
 are between nodes only (a live move changes the node; which GPU a share lands on is the
 target's best-fit choice, `Cluster.default_gpus`, as Ray's own allocation of a fractional GPU
-resource), and only onto GPUs already in use: a whole free GPU is never broken into.
+resource), and only onto GPUs already in use: a whole free GPU is never broken into. Which GPU
+is emptied and where each share goes is FGD's score: the fall in fragmentation at Ray's GPUs
+(`relocator/planner/fall.py`).
 """
 
 from __future__ import annotations
