@@ -135,3 +135,29 @@ def test_fgd_only_where_workers_or_demands_hold_shares(monkeypatch):
     scheduling.consolidate(_view(share, total), share)
     assert used[0] == "best-fit", f"whole GPUs only: {used}"
     assert [type(p) for p in used[1:]] == [planner.RayGpuFGD] * 2, f"a share demand, a share worker: {used}"
+
+
+def test_the_controllers_consolidate_measures_against_its_pending_demands(tmp_path, monkeypatch):
+    from relocator.controller import relocations
+    from relocator.controller.controller import Controller
+    from relocator.controller.inventory import NodeInfo
+    from relocator.controller.model import Demand, DemandKind, DemandState, WorkerRecord, WorkerState
+    from tests.test_controller_managers import Agents, Events
+
+    nodes = {"n1": NodeInfo("n1", "n1", 2, 1.5), "n2": NodeInfo("n2", "n2", 2, 1.75)}
+    c = Controller.without_ray({"base_dir": tmp_path}, Agents(), Events(), nodes)
+    c.store.save_worker(WorkerRecord("s1", "m", "n1", 0.5, reservation="r1", gpu_ids=[0], state=WorkerState.RUNNING))
+    c.store.save_worker(WorkerRecord("s2", "m", "n2", 0.25, reservation="r2", gpu_ids=[1], state=WorkerState.RUNNING))
+    c.store.save_demand(Demand("d1", DemandKind.LAUNCH, "m", 4))
+    c.store.save_demand(Demand("d2", DemandKind.LAUNCH, "m", 0.5, state=DemandState.PLACING))
+    seen = []
+    real = scheduling.consolidate
+
+    def spy(nodes, seats, max_moves=10, demands=()):
+        seen.append(list(demands))
+        return real(nodes, seats, max_moves=max_moves, demands=demands)
+
+    monkeypatch.setattr(relocations.scheduling, "consolidate", spy)
+    plan = c.consolidate(dry_run=True, max_moves=4)
+    assert seen == [[4]], f"only the pending demand is part of FGD's target: {seen}"
+    assert [(m["worker"], m["to"]) for m in plan["moves"]] == [("s2", "n1")], plan
