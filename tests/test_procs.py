@@ -19,6 +19,10 @@ def test_liveness_cmdline_and_status_of_a_child():
     child = _child("marker-arg")
     try:
         assert procs.alive(child.pid)
+        for _ in range(500):  # the exec'd image's argv is readable a moment after the spawn
+            if procs.cmdline(child.pid)[-1:] == ["marker-arg"]:
+                break
+            time.sleep(0.01)
         assert procs.cmdline(child.pid)[-1] == "marker-arg"
         assert child.pid in procs.children(os.getpid())
         assert procs.process_table()[child.pid] == (os.getpid(), procs.cmdline(child.pid))

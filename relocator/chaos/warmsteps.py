@@ -95,8 +95,3 @@ def warm_step(ctl: Any, base: Path, step: Step, worker: dict, cfg: ChaosConfig, 
     say(f"  step {step.index}: warm image {fault.name} on {node}: start {rec.get('start', {}).get('how')} "
         f"({(rec.get('start', {}).get('reason') or rec.get('error') or '')[:100]})")
     return rec
-
-
-def check(step: dict[str, Any]) -> list[str]:
-    """A warm step's problems (check_scheduling_outcome adds an error and not serving)."""
-    return list(step.get("problems") or [])

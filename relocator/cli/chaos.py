@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
@@ -85,8 +86,6 @@ def chaos_cmd(duration: float = typer.Option(None, "--duration", help="stop star
                                                 help="budget of one step (a move and its fault's aftermath; default 480 s)"),
               json_out: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """Random forced relocations under greedy streaming load, with injected faults; every outcome checked."""
-    import json
-
     from relocator.chaos.faults import parse_faults
     from relocator.chaos.runner import ChaosConfig, run_chaos
     from relocator.cluster.config import cluster_dir as default_dir
@@ -115,19 +114,27 @@ def chaos_cmd(duration: float = typer.Option(None, "--duration", help="stop star
     say = (lambda *_: None) if json_out else (lambda m: console.print(m, highlight=False))
     json_file = stdout_for_json() if json_out else None  # `--json > x.json` gets JSON alone
     rep = run_chaos(cfg, say=say)
-    if out:
-        with open(out, "w") as fh:
-            json.dump(rep, fh, indent=1, default=str)
-    if json_out:
-        rep = {k: v for k, v in rep.items() if k != "moves"} | {"moves": [
-            {k: v for k, v in m.items() if k != "phase_times"} for m in rep.get("moves", [])]}
-        print_json(rep, json_file)
-    else:
-        _print_report(rep)
+    _emit(rep, out, json_file if json_out else None)
     if rep.get("stalled"):  # 2: the run was cut short, its checks incomplete
         raise typer.Exit(2)
     if not rep["ok"]:
         raise typer.Exit(1)
+
+
+def _emit(rep: dict, out: str | None, json_file: Any) -> None:
+    """The report: in full to `out`, and as JSON (without phase times) to `json_file`, or as
+    tables when that is None."""
+    import json
+
+    if out:
+        with open(out, "w") as fh:
+            json.dump(rep, fh, indent=1, default=str)
+    if json_file is None:
+        _print_report(rep)
+        return
+    rep = {k: v for k, v in rep.items() if k != "moves"} | {"moves": [
+        {k: v for k, v in m.items() if k != "phase_times"} for m in rep.get("moves", [])]}
+    print_json(rep, json_file)
 
 
 def _print_report(rep: dict) -> None:
