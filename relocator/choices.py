@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from typing import Iterable
+from typing import Iterable, Sequence
 
 
 class Choice(StrEnum):
@@ -26,6 +26,28 @@ class Choice(StrEnum):
     @classmethod
     def values(cls) -> tuple[str, ...]:
         return tuple(m.value for m in cls)
+
+
+#: the words a list of names takes for every name / for none
+ALL_WORDS, NONE_WORDS = ("all", "*"), ("none",)
+
+
+def parse_names(spec: str | Sequence[str] | None, known: Sequence[str], what: str, *,
+                every: Sequence[str] | None = None, why: str = "") -> list[str]:
+    """"all", "none", "" or a comma list of names from `known` (None: none). "all" means
+    `every` (default `known`). An unknown name: ValueError("unknown <what>(s) 'x'<why>; known:
+    a, b")."""
+    if spec is None:
+        return []
+    items = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
+    if len(items) == 1 and items[0] in ALL_WORDS:
+        return list(known if every is None else every)
+    if items in ([], list(NONE_WORDS)):
+        return []
+    bad = [i for i in items if i not in known]
+    if bad:
+        raise ValueError(f"unknown {what}(s) {', '.join(map(repr, bad))}{why}; known: {', '.join(known)}")
+    return items
 
 
 def registry_choice(name: str, values: Iterable[str], module: str) -> type[Choice]:

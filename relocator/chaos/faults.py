@@ -12,7 +12,7 @@ import random
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-from relocator.choices import Choice
+from relocator.choices import ALL_WORDS, NONE_WORDS, Choice, parse_names
 from relocator.vocab import TransferMode
 
 
@@ -125,22 +125,12 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
 )}
 
 SMOKE_FAULTS = tuple(FAULTS)
-ALL, NONE = ("all", "*"), ("none",)  # words parse_faults takes for every fault / for none
+ALL, NONE = ALL_WORDS, NONE_WORDS  # words parse_faults takes for every fault / for none
 
 
 def parse_faults(spec: str | Sequence[str] | None) -> list[str]:
     """"all", "none", "" or a comma list of names from FAULTS."""
-    if spec is None:
-        return []
-    items = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
-    if len(items) == 1 and items[0] in ALL:
-        return list(FAULTS)
-    if items in ([], list(NONE)):
-        return []
-    bad = [i for i in items if i not in FAULTS]
-    if bad:
-        raise ValueError(f"unknown fault(s) {', '.join(map(repr, bad))}; known: {', '.join(FAULTS)}")
-    return items
+    return parse_names(spec, list(FAULTS), "fault")
 
 
 @dataclass

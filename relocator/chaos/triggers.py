@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-from relocator.choices import Choice
+from relocator.choices import Choice, parse_names
 
 
 class Expect(Choice):
@@ -55,7 +55,6 @@ TRIGGER_FAULTS: dict[str, TriggerFault] = {f.name: f for f in (
                  "by count (2 fewer free GPUs), both released once cleared", mark="remap"),
 )}
 
-ALL, NONE = ("all", "*"), ("none",)
 FLAP_BUDGET = 2  # the flapping step's policy: moves an hour
 HOLD_COUNT = 2
 NOTICE_S = 60.0
@@ -68,17 +67,7 @@ BUDGETED = ("move", "replace", "suspend", "consolidate")
 
 def parse_triggers(spec: str | Sequence[str] | None) -> list[str]:
     """"all", "none", "" or a comma list of names from TRIGGER_FAULTS."""
-    if spec is None:
-        return []
-    items = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
-    if len(items) == 1 and items[0] in ALL:
-        return list(TRIGGER_FAULTS)
-    if items in ([], list(NONE)):
-        return []
-    bad = [i for i in items if i not in TRIGGER_FAULTS]
-    if bad:
-        raise ValueError(f"unknown trigger fault(s) {', '.join(map(repr, bad))}; known: {', '.join(TRIGGER_FAULTS)}")
-    return items
+    return parse_names(spec, list(TRIGGER_FAULTS), "trigger fault")
 
 
 def policies(step: int, fault: TriggerFault) -> dict:

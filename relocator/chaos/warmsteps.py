@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from relocator import waits
+from relocator.choices import parse_names
 from relocator.chaos.config import MODEL, ChaosConfig
 from relocator.chaos.faults import Step, StepKind
 from relocator.chaos.steps import _check, _serving, _stopped, _waiting
@@ -27,19 +28,10 @@ START_EVENT_WAIT_S = 30.0
 
 def parse_warm_faults(spec: str | list[str] | None) -> list[str]:
     """"all", "none", "" or a comma list of LIVE's names."""
-    if spec is None:
-        return []
-    items = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
-    if items in (["none"], []):
-        return []
-    if items in (["all"], ["*"]):
-        return list(LIVE)
-    bad = [i for i in items if i not in LIVE]
-    if bad:
-        only = [i for i in bad if i in F.WARM_FAULTS]
-        why = f" ({', '.join(only)}: unit-tested only, tests/test_warm_faults.py)" if only else ""
-        raise ValueError(f"unknown warm fault(s) {', '.join(map(repr, bad))}{why}; live: {', '.join(LIVE)}")
-    return items
+    items = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec or []) if s.strip()]
+    only = [i for i in items if i in F.WARM_FAULTS and i not in LIVE]
+    why = f" ({', '.join(only)}: unit-tested only, tests/test_warm_faults.py)" if only else ""
+    return parse_names(spec, list(LIVE), "warm fault", why=why)
 
 
 def _started(ctl: Any, worker_id: str, since: int = 0) -> dict | None:
