@@ -38,11 +38,14 @@ def test_a_killed_cell_leaves_nothing_and_no_descriptor(tmp_path):
     assert words.keep("c3") is None
 
 
-def test_summary_without_a_telling_line_is_the_last_lines():
+def test_summary_without_a_fatal_line_is_the_last_lines():
+    from relocator.agent.lastwords import cause
+
     text = "\n".join(f"line {i}" for i in range(30))
-    assert summary(text, lines=3) == "line 27\nline 28\nline 29"
-    tb = "a\nTraceback (most recent call last):\n  File x\nValueError: bad\nINFO: shutdown\n"
-    assert summary(tb).startswith("ValueError: bad")  # the last failure line, then what follows
+    assert summary(text, lines=3) == "line 27\nline 28\nline 29" and cause(text) == "line 29"
+    # a warning that says "error" early in the log is not why it died (CI: a killed cell)
+    warned = "WARNING failed to increase the ulimit with error x\nINFO: POST 200\nINFO: POST 200\n"
+    assert cause(warned) == "INFO: POST 200" and summary(warned).startswith("WARNING")
     crash = "ok\n!!!!!!! Segfault encountered !!!!!!!\n" + "ERROR Traceback\nEngineDeadError: x\n" * 20
     assert summary(crash).splitlines()[0] == "!!!!!!! Segfault encountered !!!!!!!"  # how it died first
 

@@ -15,10 +15,9 @@ import threading
 from pathlib import Path
 
 TAIL_BYTES = 64 << 10
-#: lines that say how a worker died (the first one wins), then lines that say what failed
+#: lines that say how a worker died (the first one wins)
 _FATAL = re.compile(r"Segfault|Segmentation fault|Fatal Python error|core dumped|SIGSEGV|SIGBUS|Bus error|"
                     r"out of memory|Killed", re.IGNORECASE)
-_FAILED = re.compile(r"Error|Traceback|exited with", re.IGNORECASE)
 
 
 def _tail(fd: int, max_bytes: int = TAIL_BYTES) -> str:
@@ -31,14 +30,16 @@ def _tail(fd: int, max_bytes: int = TAIL_BYTES) -> str:
 
 def summary(text: str, lines: int = 12) -> str:
     """The lines worth reading of a log's tail (at most `lines`): from its first fatal line (a
-    segfault, a kill), else from its last failure line, else its last lines."""
+    segfault, a kill), else its last lines (a Python traceback ends there)."""
     rows = [r for r in text.splitlines() if r.strip()]
     fatal = next((i for i, r in enumerate(rows) if _FATAL.search(r)), None)
-    if fatal is None:
-        fatal = next((i for i in range(len(rows) - 1, -1, -1) if _FAILED.search(rows[i])), None)
-    if fatal is None:
-        return "\n".join(rows[-lines:])
-    return "\n".join(rows[fatal:fatal + lines])
+    return "\n".join(rows[-lines:] if fatal is None else rows[fatal:fatal + lines])
+
+
+def cause(text: str) -> str:
+    """One line for a lost worker's error: the fatal line, else the log's last line."""
+    rows = [r for r in text.splitlines() if r.strip()]
+    return next((r for r in rows if _FATAL.search(r)), rows[-1] if rows else "")
 
 
 class LastWords:

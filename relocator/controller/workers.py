@@ -63,30 +63,31 @@ class WorkerManager:
             state = "lost"
         if state not in ("absent", "lost"):
             return False
-        words = self._last_words(w) if state == "absent" else ""  # outside the lock: a remote call
+        words, how = self._last_words(w) if state == "absent" else ("", "")  # outside the lock: a remote call
         with self.claims.lock:
             cur = self.store.worker(w.id)
             if w.id in self.claims.busy or cur is None or cur.cell_id != w.cell_id or cur.state != S.RUNNING:
                 return False
             w.error = f"node {w.node} is lost" if state == "lost" else f"cell {w.cell_id} is gone"
-            if words:  # why, in the worker's own words (its log's telling line)
-                w.error += f"; its log ends: {words.splitlines()[0][:300]}"
+            if how:  # why, in the worker's own words (its log's fatal line, else its last)
+                w.error += f"; its log ends: {how[:300]}"
             transition(w, S.LOST, w.error, self.emit)
             self.store.save_worker(w)
         self.emit(EventKind.WORKER_LOST, worker=w.id, node=w.node, error=w.error,
                   **({"last_words": words} if words else {}))
         return True
 
-    def _last_words(self, w: WorkerRecord) -> str:
-        """The end of a dead cell's log, as its agent kept it ("" when it has none)."""
-        from relocator.agent.lastwords import summary
+    def _last_words(self, w: WorkerRecord) -> tuple[str, str]:
+        """The end of a dead cell's log as its agent kept it, and its line that says how it
+        died (("", "") when it has none)."""
+        from relocator.agent.lastwords import cause, summary
 
         try:
             text = self.backend.agents.last_words(w.node, w.cell_id)
         except Exception as exc:  # noqa: BLE001 - never in the way of the replacement
             log.warning("last words of %s: %s", w.cell_id, exc)
-            return ""
-        return summary(text) if text else ""
+            return "", ""
+        return (summary(text), cause(text)) if text else ("", "")
 
     def update_router(self) -> None:
         """The router's table vs the workers: a router that restarted (empty table) or missed
