@@ -18,9 +18,9 @@ pytestmark = pytest.mark.integration
 
 # The issue's 2 s "serving again" target is a figure `relocator chaos` reports (docs/
 # benchmarks.md, "Chaos"); on a loaded 2-core CI machine recoveries take 0.1-4.5 s (a restarted
-# controller actor or router process ~2-4 s), so the test bounds them (no hang) without timing
-# them against the target.
-SERVE_AGAIN_BOUND_S = 10.0
+# controller actor or router process ~2-4 s, 14 s once beside other sessions' load), so the test
+# bounds them (no hang) without timing them against the target.
+SERVE_AGAIN_BOUND_S = 30.0
 
 
 def test_chaos_smoke(relocator_cluster, tmp_path) -> None:
