@@ -77,9 +77,14 @@ def test_a_lost_worker_says_why_in_its_event_and_error():
 
     class Backend:
         agents = Agents()
+        removed: list[tuple[str, str]] = []
+
+        def remove_image(self, node, image):
+            self.removed.append((node, image))
 
     store = Store(":memory:")
-    w = WorkerRecord(id="w1", model="m", node="n1", gpus=1, cell_id="c1", state=WorkerState.RUNNING)
+    w = WorkerRecord(id="w1", model="m", node="n1", gpus=1, cell_id="c1", state=WorkerState.RUNNING,
+                     last_image="/img/n1/r1", last_image_node="n1")
     store.save_worker(w)
     events: list[tuple] = []
     mgr = WorkerManager(store, Backend(), Claims(), lambda kind, **kw: events.append((kind, kw)),
@@ -90,3 +95,12 @@ def test_a_lost_worker_says_why_in_its_event_and_error():
     assert lost.error == "cell c1 is gone; its log ends: !!!!!!! Segfault encountered !!!!!!!"
     kinds = {str(k): kw for k, kw in events}
     assert "Segfault encountered" in kinds["worker_lost"]["last_words"]
+    # it crashed: the image it ran from is dropped, its next copy starts fresh
+    assert lost.last_image == "" and Backend.removed == [("n1", "/img/n1/r1")]
+    # killed quietly (a policy's fence, a chaos kill): the image stays for a warm restart
+    Agents.last_words = lambda self, node, cell: "INFO: serving\nINFO: POST 200\n"
+    w2 = WorkerRecord(id="w2", model="m", node="n1", gpus=1, cell_id="c2", state=WorkerState.RUNNING,
+                      last_image="/img/n1/r2", last_image_node="n1")
+    store.save_worker(w2)
+    assert mgr._mark_if_lost(w2)
+    assert store.worker("w2").last_image == "/img/n1/r2" and len(Backend.removed) == 1

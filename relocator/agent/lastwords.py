@@ -36,6 +36,11 @@ def summary(text: str, lines: int = 12) -> str:
     return "\n".join(rows[-lines:] if fatal is None else rows[fatal:fatal + lines])
 
 
+def crashed(text: str) -> bool:
+    """The log says the worker crashed (a fatal line), not that something killed it quietly."""
+    return any(_FATAL.search(r) for r in text.splitlines())
+
+
 def cause(text: str) -> str:
     """One line for a lost worker's error: the fatal line, else the log's last line."""
     rows = [r for r in text.splitlines() if r.strip()]

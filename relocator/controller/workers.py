@@ -63,7 +63,8 @@ class WorkerManager:
             state = "lost"
         if state not in ("absent", "lost"):
             return False
-        words, how = self._last_words(w) if state == "absent" else ("", "")  # outside the lock: a remote call
+        words, how, crash = self._last_words(w) if state == "absent" else ("", "", False)  # a remote call: unlocked
+        dropped: tuple[str, str] | None = None
         with self.claims.lock:
             cur = self.store.worker(w.id)
             if w.id in self.claims.busy or cur is None or cur.cell_id != w.cell_id or cur.state != S.RUNNING:
@@ -71,23 +72,31 @@ class WorkerManager:
             w.error = f"node {w.node} is lost" if state == "lost" else f"cell {w.cell_id} is gone"
             if how:  # why, in the worker's own words (its log's fatal line, else its last)
                 w.error += f"; its log ends: {how[:300]}"
+            if crash and w.last_image:
+                # it crashed: its next copy starts fresh, never from the memory it ran (a crash
+                # in that memory comes back with it: CI restored one image 4 times, each copy
+                # segfaulting seconds later); a lost node's or a killed copy's image is good
+                dropped = (w.last_image_node, w.last_image)
+                w.last_image, w.last_image_node = "", ""
             transition(w, S.LOST, w.error, self.emit)
             self.store.save_worker(w)
+        if dropped:  # outside the lock: a remote call
+            best_effort(f"removing {dropped[1]}", lambda: self.backend.remove_image(*dropped))
         self.emit(EventKind.WORKER_LOST, worker=w.id, node=w.node, error=w.error,
                   **({"last_words": words} if words else {}))
         return True
 
-    def _last_words(self, w: WorkerRecord) -> tuple[str, str]:
-        """The end of a dead cell's log as its agent kept it, and its line that says how it
-        died (("", "") when it has none)."""
-        from relocator.agent.lastwords import cause, summary
+    def _last_words(self, w: WorkerRecord) -> tuple[str, str, bool]:
+        """The end of a dead cell's log as its agent kept it, its line that says how it died,
+        and whether it crashed (("", "", False) when it left nothing)."""
+        from relocator.agent.lastwords import cause, crashed, summary
 
         try:
             text = self.backend.agents.last_words(w.node, w.cell_id)
         except Exception as exc:  # noqa: BLE001 - never in the way of the replacement
             log.warning("last words of %s: %s", w.cell_id, exc)
-            return "", ""
-        return (summary(text), cause(text)) if text else ("", "")
+            return "", "", False
+        return (summary(text), cause(text), crashed(text)) if text else ("", "", False)
 
     def update_router(self) -> None:
         """The router's table vs the workers: a router that restarted (empty table) or missed
@@ -113,7 +122,8 @@ class WorkerManager:
     # -- replacement ----------------------------------------------------------------------------
     def start_copy(self, w: WorkerRecord, node: str) -> tuple[str, dict]:
         """A new copy of `w` on `node`: restored from its newest image when there is one (warm,
-        seconds), else a cold launch (the engine loads and compiles again)."""
+        seconds; dropped when its copy crashed: _mark_if_lost), else a launch (a warm image of its
+        kind, else cold: the engine loads and compiles again)."""
         if w.last_image and Path(w.last_image).exists():
             try:
                 return "restored from its last image", self.backend.restore(node, w.last_image, w.cell_id,
