@@ -102,9 +102,15 @@ def test_postcopy_releases_the_source_after_the_last_page(relocator_cluster, wor
     assert not transfer_processes(base), transfer_processes(base)
 
 
-def test_auto_picks_shared_when_the_target_sees_the_image_store(relocator_cluster, worker, ref) -> None:
+def test_auto_picks_handoff_where_the_target_starts_warm_else_shared(relocator_cluster, worker, ref) -> None:
+    """auto's order (docs/handoff.md, "What auto does"): a handoff where the target would start
+    warm (on the session cluster its host holds the worker's warm image once one launch was
+    captured), else shared where the target sees the image store."""
     rel, full = _move(relocator_cluster, worker, ref, "auto")
-    assert rel["transfer"] == "shared"
     plan = _info(full, "PLAN")
-    assert plan["requested"] == "auto" and "image store" in plan["why"]
+    assert plan["requested"] == "auto", plan
+    if rel["transfer"] == "handoff":
+        assert "make-before-break" in plan["why"], plan
+        return
+    assert rel["transfer"] == "shared" and "image store" in plan["why"], plan
     assert plan["image_on"] == "disk"  # the shared store: nothing transient

@@ -86,9 +86,14 @@ def test_images_are_copied_ahead_of_need_and_on_demand(relocator_cluster) -> Non
         key = first["key"]
         # the capture (cold start) or an earlier test filed it; the controller copies it on
         wait_for(lambda: len(_holders(base, key, nodes)) >= 2, 120, f"image {key} on two nodes")
-        copied = [e for e in ctl.events(since=0, kinds=["warm_image_copied"], idle_timeout=1, wait_s=1)
-                  if e["key"] == key]
-        assert copied and copied[0]["bytes"] > 0, "no warm_image_copied event for the kind"
+        # copied ahead of need (a warm_image_copied event), or on demand by a start elsewhere
+        # first: copies ahead of need give way to any move or start in the cluster (docs/images.md),
+        # and a busy session's starts may fetch it before a quiet moment comes
+        seen = list(ctl.events(since=0, kinds=["warm_image_copied", "worker_started"], idle_timeout=1, wait_s=1))
+        ahead = [e for e in seen if e["kind"] == "warm_image_copied" and e["key"] == key]
+        fetched = [e for e in seen if e["kind"] == "worker_started" and e.get("key") == key
+                   and (e.get("copied") or {}).get("copied")]
+        assert (ahead and ahead[0]["bytes"] > 0) or fetched, "the image reached a second node with no copy event"
         holders = _holders(base, key, nodes)
         others = sorted(set(nodes) - {a["node"]})
         target = others[0]
