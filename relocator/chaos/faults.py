@@ -99,14 +99,16 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("postcopy-kill-target", "RELEASE", ("rolled_back",),
           "post-copy: SIGKILL the restored copy (its cell's init) after the switch while its memory "
           "still arrives; the frozen source resumes and the router goes back to it",
-          transfer=TransferMode.POSTCOPY, controller_faults=(("postcopy", (("throttle_bps", 1e8),)),)),
+          # paced so that the memory still arrives when the kill lands (at 1e8 B/s CI's post-copy
+          # was over by then once: the move done, then its copy killed)
+          transfer=TransferMode.POSTCOPY, controller_faults=(("postcopy", (("throttle_bps", 3e7),)),)),
     Fault("postcopy-network-cut", "RELEASE", ("rolled_back",),
           "post-copy: drop every packet of the page-server connection (iptables on its two ports) "
           "after the switch; the target's keeper hears nothing for stall_s and kills the copy before "
           "it can run on without its memory; the source's lazy dump is cut loose (ss -K) and the "
           "source resumes; the rule is removed afterwards",
           transfer=TransferMode.POSTCOPY,
-          controller_faults=(("postcopy", (("throttle_bps", 1e8), ("stall_s", 1.5))),)),
+          controller_faults=(("postcopy", (("throttle_bps", 3e7), ("stall_s", 1.5))),)),
     Fault("postcopy-source-loss", "RELEASE", ("failed", "rolled_back"),
           "post-copy: the source node dies after the switch (its lazy dump, the page server, and its "
           "raylet SIGKILLed): the copy on the target cannot get the rest of its memory and its keeper "
