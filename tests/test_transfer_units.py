@@ -486,3 +486,24 @@ def test_postcopy_failure_after_the_switch(tmp_path: Path, why, source_state, re
     assert ("n2", f"w1-r1") not in be.cells  # the copy is gone
     if result == "rolled_back":
         assert be.cells[("n1", "c1")] == "running" and be.router["w1"]["endpoint"] == "http://a"
+
+
+def test_postcopy_whose_copy_dies_as_its_last_pages_come_rolls_back(tmp_path: Path) -> None:
+    """The keeper says done (its daemon ends as for a copy that has every page) but the copy is
+    gone: the frozen source is still whole, so the move rolls back to it (CI: it came out done
+    and the worker was lost)."""
+    from relocator.controller.model import Relocation
+
+    be = _PostCopyBackend({})
+    store, m = _machine_env(tmp_path, be)
+    real = be.lazy_dump_wait
+
+    def lazy_dump_wait(node, cell, timeout=1.0):  # the copy dies once its memory is there
+        be.cells.pop(("n2", "w1-r1"), None)
+        return real(node, cell, timeout)
+
+    be.lazy_dump_wait = lazy_dump_wait
+    rel = m.run(Relocation(id="r1", worker="w1", src="n1", dst="n2", transfer="postcopy"))
+    assert rel.result == "rolled_back" and rel.postcopy["failed"] == "target", rel.error
+    w = store.worker("w1")
+    assert (w.node, w.state) == ("n1", "running") and be.cells[("n1", "c1")] == "running"

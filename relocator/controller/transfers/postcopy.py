@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from relocator.controller.errors import NodeLost, PlanError, PostCopyFailed
+from relocator.controller.errors import NodeLost, PlanError, PostCopyFailed, TargetLost
 from relocator.controller.transfers.base import Context, TransferStrategy
 from relocator.vocab import TransferMode
 from relocator.waits import WaitTimeout, settle, until
@@ -166,7 +166,15 @@ class PostcopyTransfer(TransferStrategy):
             after_switch_s=round(ended - switched, 3) if ended and switched else None)
         ctx.save(rel)
         src_done = self._wait_source(ctx, rel)
-        ctx.target_alive(rel, "after the post-copy")
+        try:
+            ctx.target_alive(rel, "after the post-copy")
+        except TargetLost as exc:
+            # the copy died as its last pages came (the keeper's daemon ends as for a copy that has
+            # them all): the frozen source is still whole until RELEASE ends: back to it (CI's
+            # chaos smoke: a kill during the post-copy came out `done`, the worker then lost)
+            rel.postcopy.update(failed="target", error=str(exc))
+            ctx.save(rel)
+            raise PostCopyFailed(f"post-copy failed (target): {exc}", "target") from None
         return {"postcopy_s": rel.postcopy.get("postcopy_s"), "page_bytes": page_bytes,
                 "pushed_bytes": rel.postcopy["pushed_bytes"],
                 "pages_after_switch_bytes": rel.postcopy["pages_after_switch_bytes"],
