@@ -5,6 +5,8 @@ Pure CPU: the router over HTTP against the fake vLLM-framed backend."""
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 
 import aiohttp
@@ -43,34 +45,35 @@ async def _env(tmp_path, n: int):
     return srv, fakes, runners, aiohttp.ClientSession()
 
 
+@contextlib.asynccontextmanager
+async def _router(tmp_path, n: int):
+    """The router in front of `n` fake engines: (server, fakes, session), all stopped after."""
+    srv, fakes, runners, session = await _env(tmp_path, n)
+    try:
+        yield srv, fakes, session
+    finally:
+        await session.close()
+        await srv.stop()
+        for r in runners:
+            await r.cleanup()
+
+
 @pytest.fixture
 async def two(tmp_path):
-    srv, fakes, runners, session = await _env(tmp_path, 2)
-    yield srv, fakes, session
-    await session.close()
-    await srv.stop()
-    for r in runners:
-        await r.cleanup()
+    async with _router(tmp_path, 2) as env:
+        yield env
 
 
 @pytest.fixture
 async def three(tmp_path):
-    srv, fakes, runners, session = await _env(tmp_path, 3)
-    yield srv, fakes, session
-    await session.close()
-    await srv.stop()
-    for r in runners:
-        await r.cleanup()
+    async with _router(tmp_path, 3) as env:
+        yield env
 
 
 @pytest.fixture
 async def one(tmp_path):
-    srv, fakes, runners, session = await _env(tmp_path, 1)
-    yield srv, fakes, session
-    await session.close()
-    await srv.stop()
-    for r in runners:
-        await r.cleanup()
+    async with _router(tmp_path, 1) as env:
+        yield env
 
 
 async def sse(session, url, body):
