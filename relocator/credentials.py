@@ -26,6 +26,12 @@ ENV_KEY = "RELOCATOR_IMAGE_KEY"  # by-hand commands: the image key itself, inste
 ENV_INSECURE = "RELOCATOR_INSECURE_TRANSFERS"  # by-hand commands only: "1" = plaintext transfers
 ENV_MACHINE_KEY = "RELOCATOR_MACHINE_KEY_FILE"  # by-hand commands: this machine's own image key
 ENV_MOVE = "RELOCATOR_MOVE_CREDENTIALS"  # one move's own transfer credentials (make_move), for its children
+#: `relocator bench relocation --plaintext-transfers` only: "1" = every transfer of this agent in
+#: plaintext, to measure what TLS costs (check_bench_plaintext refuses it beyond BENCH_NETS)
+ENV_BENCH_PLAINTEXT = "RELOCATOR_BENCH_PLAINTEXT_TRANSFERS"
+#: where the bench's plaintext switch is honoured: loopback and the emulated hosts' bridge
+#: (relocator/cluster/emulate.py's default subnet), never a real network
+BENCH_NETS = ("127.0.0.0/8", "::1/128", "10.250.0.0/24")
 CA, CERT, KEY, IMAGE_KEY = "ca.pem", "node.pem", "node.key", "image.key"
 CLUSTER_FILE = "cluster-credentials.json"  # `up`: the cluster's CA key and image key, 0600
 FIX = ("run it under `relocator up` or `relocator deploy` (they give every agent its credentials), or "
@@ -285,11 +291,40 @@ def insecure() -> bool:
     return os.environ.get(ENV_INSECURE) == "1" and _dir() is None
 
 
+def bench_plaintext() -> bool:
+    """The bench's switch (ENV_BENCH_PLAINTEXT): this agent's transfers without TLS. An agent
+    checks it where it starts (check_bench_plaintext); its children (keeper, pump, front) follow."""
+    return os.environ.get(ENV_BENCH_PLAINTEXT) == "1"
+
+
+def check_bench_plaintext(address: str) -> None:
+    """CredentialsError when the bench's plaintext switch is set on an agent whose transfer
+    address is not in BENCH_NETS (it is for `relocator bench relocation` on one machine only)."""
+    raw = os.environ.get(ENV_BENCH_PLAINTEXT)
+    if raw is None or raw == "":
+        return
+    if raw != "1":
+        raise CredentialsError(f"{ENV_BENCH_PLAINTEXT}={raw!r}: only \"1\" (set by `relocator bench relocation "
+                               "--plaintext-transfers`) or unset")
+    import ipaddress
+
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        ip = None
+    if ip is None or not any(ip in ipaddress.ip_network(n) for n in BENCH_NETS):
+        raise CredentialsError(f"{ENV_BENCH_PLAINTEXT}=1 is for `relocator bench relocation --plaintext-transfers` "
+                               f"on loopback or emulated hosts only ({', '.join(BENCH_NETS)}), and this node's "
+                               f"transfer address is {address}: unset it")
+
+
 def tls_files(directory: str | Path | None = None) -> tuple[str, str, str] | None:
     """(CA, certificate, key) paths: of `directory` (a move's, install_move), else of the move
     RELOCATOR_MOVE_CREDENTIALS names (the keeper and pump of a move), else this node's; None
-    only under the by-hand opt-out; CredentialsError naming what is missing otherwise (never a
-    silent plaintext transfer)."""
+    only under the by-hand opt-out or the bench's plaintext switch (bench_plaintext);
+    CredentialsError naming what is missing otherwise (never a silent plaintext transfer)."""
+    if bench_plaintext():
+        return None
     d = Path(directory) if directory else Path(os.environ[ENV_MOVE]) if os.environ.get(ENV_MOVE) else _dir()
     if d is None:
         if insecure():

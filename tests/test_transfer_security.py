@@ -63,6 +63,29 @@ def test_a_node_without_credentials_gets_no_plaintext_transfer(tmp_path: Path,
     assert credentials.criu_tls_args() == [] and credentials.server_context() is None
 
 
+def test_the_bench_plaintext_switch_is_for_loopback_and_the_emulated_bridge(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench relocation --plaintext-transfers` (RELOCATOR_BENCH_PLAINTEXT_TRANSFERS=1): a node with
+    credentials then transfers in plaintext, to measure what TLS costs; an agent whose transfer
+    address is on a real network refuses to start with it, and a value other than 1 is an error."""
+    monkeypatch.setenv(credentials.ENV_DIR, str(credentials.install(
+        credentials.for_node(credentials.make_cluster(), "n1"), tmp_path / "creds", export=False)))
+    monkeypatch.delenv(credentials.ENV_BENCH_PLAINTEXT, raising=False)
+    assert credentials.criu_tls_args(), "TLS unless the bench says otherwise"
+    credentials.check_bench_plaintext("192.0.2.7")  # unset: nothing to refuse
+    monkeypatch.setenv(credentials.ENV_BENCH_PLAINTEXT, "1")
+    assert credentials.criu_tls_args() == [] and credentials.server_context() is None
+    assert credentials.image_key(), "images stay signed: only the transfer's TLS is off"
+    for ok in ("127.0.0.1", "10.250.0.12", "::1"):
+        credentials.check_bench_plaintext(ok)
+    for bad in ("192.0.2.7", "10.0.0.5", "not-an-ip"):
+        with pytest.raises(credentials.CredentialsError, match="bench relocation --plaintext-transfers"):
+            credentials.check_bench_plaintext(bad)
+    monkeypatch.setenv(credentials.ENV_BENCH_PLAINTEXT, "yes")
+    with pytest.raises(credentials.CredentialsError, match="only \"1\""):
+        credentials.check_bench_plaintext("127.0.0.1")
+
+
 def _probe(port: int, tls: ssl.SSLContext | None, page: tuple[int, int] = (1, 0x400000)) -> tuple[bytes, bool]:
     """Connect without this cluster's credentials and ask for a page (pagemap id, vaddr) as
     CRIU's lazy-pages daemon would: (what came back, whether the server closed the connection

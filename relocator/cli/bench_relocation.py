@@ -29,9 +29,11 @@ BenchTransfer = registry_choice("BenchTransfer", (*TransferMode.values(), "all")
 
 def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode | str = TransferMode.SHARED,
               base_dir: str = "/var/lib/relocator/bench", engine: str = DEFAULT_ENGINE, emulate_hosts: int = 0,
-              kv_pool_mb: int = 0, host_loss: bool = True) -> dict:
+              kv_pool_mb: int = 0, host_loss: bool = True, plaintext_transfers: bool = False) -> dict:
     """One move in `transfer` mode (or, with "all", one move in each of ALL_MODES back and forth
-    between the same two nodes, same worker and load: {"runs": [...], "handoff_vs_best_freeze"})."""
+    between the same two nodes, same worker and load: {"runs": [...], "handoff_vs_best_freeze"}).
+    `plaintext_transfers`: the same move without TLS (no front, CRIU, keeper and pump in
+    plaintext), to measure what the encryption costs; the bench's own cluster only."""
     import relocator
     from relocator.cluster.streams import first_token_s
 
@@ -40,6 +42,11 @@ def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode | 
     prev_pool = os.environ.get("RELOCATOR_KV_POOL_MB")
     if kv_pool_mb:
         os.environ["RELOCATOR_KV_POOL_MB"] = str(kv_pool_mb)
+    from relocator.credentials import ENV_BENCH_PLAINTEXT
+
+    prev_plain = os.environ.pop(ENV_BENCH_PLAINTEXT, None)  # never inherited: this option only
+    if plaintext_transfers:  # the agents of the cluster started below get it (relocator.credentials)
+        os.environ[ENV_BENCH_PLAINTEXT] = "1"
 
     if emulate_hosts:  # emulated hosts (docs/deploy.md): h1 runs the controller and router; h2 -> h3
         if emulate_hosts < 3:
@@ -69,9 +76,12 @@ def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode | 
             os.environ.pop("RELOCATOR_KV_POOL_MB", None)
         else:
             os.environ["RELOCATOR_KV_POOL_MB"] = prev_pool
+        os.environ.pop(ENV_BENCH_PLAINTEXT, None)
+        if prev_plain is not None:
+            os.environ[ENV_BENCH_PLAINTEXT] = prev_plain
     common = {"cold_start_to_first_token_s": round(cold, 3), "cold_start_ready_s": w["launch_s"],
               "cold_start_ttft_s": round(ttft, 4), "kv_pool_mb": kv_pool_mb or None, "streams": streams,
-              "max_tokens": max_tokens, "engine": engine}
+              "max_tokens": max_tokens, "engine": engine, "transfer_tls": not plaintext_transfers}
     for r in runs:
         r["blackout_pct_of_cold_start"] = round(100 * r["blackout_max_s"] / cold, 1) if cold else None
     if emulate_hosts:
@@ -227,11 +237,15 @@ def bench_relocation(json_out: bool = typer.Option(False, "--json", help="print 
                                                        "namespaces, nothing shared; 3 or more), not the local cluster"),
                      host_loss: bool = typer.Option(True, "--host-loss/--no-host-loss",
                                                     help="with --emulate-hosts: then kill the worker's host under "
-                                                    "load and measure until its streams are served again")) -> None:
+                                                    "load and measure until its streams are served again"),
+                     plaintext_transfers: bool = typer.Option(
+                         False, "--plaintext-transfers", help="bench only: the move's transfers without TLS (no "
+                         "TLS front; CRIU, keeper and pump in plaintext), to measure the encryption's cost; "
+                         "refused beyond loopback and the emulated hosts' bridge")) -> None:
     """Blackout, phases and token check of one live relocation vs a cold start."""
     json_file = stdout_for_json() if json_out else None  # Ray's driver prints raylet errors there
     out = run_bench(streams, max_tokens, transfer.value, cluster_dir, engine.value, emulate_hosts, kv_pool_mb,
-                    host_loss)
+                    host_loss, plaintext_transfers)
     if json_file is not None:
         print_json(out, json_file)
         return

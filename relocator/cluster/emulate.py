@@ -181,6 +181,8 @@ def host_env(cluster: EmulatedCluster, h: EmulatedHost, health_check_period_ms: 
         # this host's cell subnet, routed to it (docs/deploy.md "Networking")
         "RELOCATOR_NET_POOL": h.cell_pool,
         "RELOCATOR_CELL_ROUTES": cluster.subnet,
+        # `relocator bench relocation --plaintext-transfers` (the agents refuse it off the bridge)
+        **{k: os.environ[k] for k in ("RELOCATOR_BENCH_PLAINTEXT_TRANSFERS",) if k in os.environ},
     }
 
 
