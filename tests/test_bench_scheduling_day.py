@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from relocator.bench.scheduling import ARMS, Day, Outcome, Step, compare, idle_while_waiting, work_lost
+from relocator.bench.scheduling import ARMS, Day, Outcome, Step, compare, idle_while_waiting, starts, work_lost
 from relocator.cluster.streams import RequestResult
 
 
@@ -100,3 +100,89 @@ def test_the_comparison_takes_the_best_stock_arm_and_checks_the_targets():
     c = compare(out)
     assert not c["target_p99_moves_le_third_of_best_stock"] and not c["target_moves_no_failed_requests_no_work_lost"]
     assert compare({"moves": arm(1.0)}) == {}
+    assert c["p99_place_or_wait_over_moves"] == 5.0 and c["target_p99_moves_5x_shorter_than_place_or_wait"]
+
+
+# ------------------------------------------------------------------ --warm on|off (issue 28)
+def _fake_arms(monkeypatch):
+    """bench.scheduling.run with each arm's subprocess faked: the environments it was given."""
+    import json
+    import subprocess
+
+    import relocator.bench.scheduling as mod
+
+    envs: dict[str, dict] = {}
+
+    def fake(cmd, stdout, text, env):
+        rule = cmd[3]
+        envs[rule] = env
+        return subprocess.CompletedProcess(cmd, 0, json.dumps({"rule": rule, "wait_s_p99": 1.0,
+                                                               "failed_requests": 0, "tokens_of_work_lost": 0}))
+
+    monkeypatch.setattr(mod.subprocess, "run", fake)
+    return mod, envs
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_warm_reaches_every_arm_and_the_json_says_which(monkeypatch, warm):
+    from relocator.warm.config import WarmConfig
+
+    mod, envs = _fake_arms(monkeypatch)
+    monkeypatch.setenv("RELOCATOR_WARM__ENABLED", "1" if not warm else "0")  # the flag wins over the caller's
+    res = mod.run("/nonexistent", log=lambda m: None, warm=warm)
+    assert set(envs) == set(ARMS), envs.keys()
+    want = "on" if warm else "off"
+    assert res["day"]["warm_images"] == want and all(res[a]["warm_images"] == want for a in ARMS), res
+    for rule, env in envs.items():
+        for k, v in env.items():  # what each arm's cluster (daemon, agents, controller) will read
+            monkeypatch.setenv(k, v)
+        assert WarmConfig.load().enabled is warm, (rule, env.get("RELOCATOR_WARM__ENABLED"))
+
+
+def test_the_cli_passes_warm_on_by_default_and_refuses_other_values(monkeypatch):
+    from typer.testing import CliRunner
+
+    import relocator.bench.scheduling as mod
+    from relocator.cli import _register, app
+
+    _register()
+    seen: list[bool] = []
+    monkeypatch.setattr(mod, "run", lambda *a, **k: seen.append(k["warm"]) or {"day": {}})
+    runner = CliRunner()
+    for args, want in (([], True), (["--warm", "on"], True), (["--warm", "off"], False)):
+        res = runner.invoke(app, ["bench", "scheduling", "--json", *args])
+        assert res.exit_code == 0 and seen[-1] is want, (args, seen, res.output)
+    n = len(seen)
+    for bad in ("maybe", "ON", "0", ""):
+        res = runner.invoke(app, ["bench", "scheduling", "--warm", bad, "--json"])
+        lines = res.output.strip().splitlines()
+        assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (bad, res.output)
+        assert "--warm" in lines[0] and "on, off" in lines[0], lines[0]
+    assert len(seen) == n, "a refused --warm ran the benchmark"
+
+
+def test_starts_count_warm_and_cold_and_say_why_cold():
+    ev = [{"kind": "worker_started", "worker": "b1", "how": "cold", "seconds": 9.0, "reason": "no image"},
+          {"kind": "worker_started", "worker": "a", "how": "cold", "seconds": 6.0, "reason": "no image of its kind"},
+          {"kind": "worker_started", "worker": "b", "how": "warm", "seconds": 1.0},
+          {"kind": "worker_started", "worker": "d", "how": "warm", "seconds": 2.0},
+          {"kind": "relocation_finished", "worker": "a", "result": "done"}]
+    s = starts(ev, {"b1"})
+    assert s["warm"] == 2 and s["cold"] == 1 and s["warm_s_max"] == 2.0 and s["cold_s_p50"] == 6.0, s
+    assert s["cold_reasons"] == {"no image of its kind": 1}, s
+
+
+def test_the_timeline_places_a_launchs_events_on_the_days_clock():
+    day = Day(FakeCtl(), "moves", "reference", 2.0, lambda m: None, (Step("a", 0, 2, 10), Step("c", 0, 1, 10)), 10.0)
+    day.t0, day.t0_wall = 100.0, 5000.0
+    o = day.out["a"]
+    o.requested, o.served = 102.0, 110.0
+    ev = [{"kind": "worker_started", "worker": "a", "how": "warm", "seconds": 1.5, "ts": 5009.0, "capture": {}},
+          {"kind": "worker_started", "worker": "c", "how": "cold", "ts": 5003.0},
+          {"kind": "relocation_finished", "worker": "b1", "result": "done", "ts": 5006.0,
+           "phases": {"dump": 1.0, "restore": 0.5}}]
+    tl = day.timeline(ev)
+    assert [(e["t"], e["kind"], e["worker"]) for e in tl] == [
+        (1.0, "requested", "a"), (3.0, "relocation_finished", "b1"), (4.5, "worker_started", "a"),
+        (5.0, "serving", "a")], tl
+    assert tl[1]["phases"] == {"dump": 1.0, "restore": 0.5} and "capture" not in tl[2], tl

@@ -23,6 +23,12 @@ and are checked token by token (relocator.cluster.streams).
 
 A launch's wait: from its request to its worker serving. A launch that never serves before its
 scripted stop is a launch failure; its wait counts up to that stop (a lower bound).
+
+Warm images (issue 28, relocator/warm/) are on by default, as configs/images.yaml ships them:
+every start of a kind a node has seen restores its image. `warm=False` runs every arm with
+`RELOCATOR_WARM__ENABLED=0` (every start cold, nothing captured); each arm reports how its
+starts went (`starts`, from the controller's `worker_started` events) and a `timeline` of the
+events of its multi-GPU launches, so a wait can be taken apart (start, moves, queue).
 """
 
 from __future__ import annotations
@@ -88,6 +94,12 @@ MAX_TOKENS = 32
 ARMS = (PreemptionRule.PLACE_OR_WAIT.value, PreemptionRule.EVICT_REQUEUE.value,
         PreemptionRule.SUSPEND_IN_PLACE.value, PreemptionRule.MOVES.value)
 SAMPLE_S = 1.0  # how often the idle-GPU sampler reads the controller (seconds of the day)
+#: the controller's events an arm reads after its day: its figures' and its timeline's
+EVENT_KINDS = ("worker_suspended", "relocation_finished", "worker_resumed", "worker_evicted", "worker_started",
+               "room_planned", "worker_preemptible", "warm_image_copied", "warm_copy_deferred")
+#: the fields a timeline entry keeps (the rest of an event is left out to keep the JSON short)
+TIMELINE_FIELDS = ("worker", "worker_id", "node", "src", "dst", "demand", "how", "reason", "result", "seconds",
+                   "by", "in_place", "moves", "suspends", "copied", "key")
 
 
 @dataclass
@@ -143,6 +155,7 @@ class Day:
         self.ctl, self.rule, self.engine, self.scale, self.log = ctl, PreemptionRule(rule), engine, scale, log
         self.day, self.day_end = day, day_end
         self.t0 = 0.0
+        self.t0_wall = 0.0  # time.time() at t0: events carry wall-clock stamps
         self.out = {s.id: Outcome(s) for s in day}
         self.samples: list[tuple[float, int, bool]] = []
         self.stops: list[tuple[float, float]] = []  # scripted stops' calls (monotonic)
@@ -225,7 +238,7 @@ class Day:
         ref = asyncio.run(reference(ctl.router_url, MODEL, MAX_TOKENS, STREAMS, STREAMS))
         cursor = ctl._call("events_cursor", timeout=60)
         load = Load(ctl.router_url, MODEL, ref, MAX_TOKENS, STREAMS).start()
-        self.t0 = time.monotonic()
+        self.t0, self.t0_wall = time.monotonic(), time.time()
         threads = [threading.Thread(target=fn, args=(o,), daemon=True)
                    for o in self.out.values() for fn in (self._launch, self._stop_worker)]
         threads.append(threading.Thread(target=self._sample, daemon=True))
@@ -243,8 +256,7 @@ class Day:
                 ctl.stop_worker(wid)
             except Exception as exc:  # noqa: BLE001
                 self.log(f"stopping {wid}: {exc}")
-        events = list(ctl.events(since=cursor, kinds=["worker_suspended", "relocation_finished", "worker_resumed",
-                                                      "worker_evicted"], idle_timeout=2.0, wait_s=1.0))
+        events = list(ctl.events(since=cursor, kinds=list(EVENT_KINDS), idle_timeout=2.0, wait_s=1.0))
         return {**self.figures(events, rep, load.results), "suspended_at_end": suspended_at_end}
 
     def figures(self, events: list[dict], rep: dict, results: list[Any]) -> dict:
@@ -295,7 +307,58 @@ class Day:
                         for o in self.out.values()},
             "failures": {o.step.id: o.error[:200] for o in failures},
             "errors": rep["errors"],
+            "starts": starts(events, {w for w, _ in BASE}),
+            "timeline": self.timeline(events),
         }
+
+    def timeline(self, events: list[dict]) -> list[dict]:
+        """The events of the multi-GPU launches and of whatever made room for them, at seconds
+        of the day, with each launch's request and serving: where each wait went."""
+        multi = {o.step.id for o in self.out.values() if o.step.gpus >= 2}
+        out: list[dict] = []
+        for o in self.out.values():
+            if o.step.id in multi:
+                out.append({"t": round((o.requested - self.t0) / self.scale, 2), "kind": "requested",
+                            "worker": o.step.id, "gpus": o.step.gpus})
+                if o.served is not None:
+                    out.append({"t": round((o.served - self.t0) / self.scale, 2), "kind": "serving",
+                                "worker": o.step.id, "wait_s": round((o.served - o.requested) / self.scale, 2)})
+        for e in events:
+            if e["kind"] == "worker_started" and (e.get("worker") or e.get("worker_id")) not in multi:
+                continue  # a 1-GPU start (a resume's fallback, a requeue) is its own wait, not theirs
+            entry = {"t": round((float(e.get("ts", 0.0)) - self.t0_wall) / self.scale, 2), "kind": e["kind"]}
+            entry.update({k: e[k] for k in TIMELINE_FIELDS if e.get(k) not in (None, "", [], {})})
+            if e.get("phases"):
+                entry["phases"] = {k: round(float(v), 2) for k, v in e["phases"].items()
+                                   if isinstance(v, (int, float))}
+            out.append(entry)
+        return sorted(out, key=lambda x: x["t"])
+
+
+def starts(events: list[dict], base: set[str] = frozenset()) -> dict:
+    """How an arm's starts went (its `worker_started` events): warm (restored from its kind's
+    image) or cold, the seconds each took, and why the cold ones were cold. `base`: the day's
+    fragmented start, launched before the day and left out."""
+    ev = [e for e in events if e["kind"] == "worker_started" and (e.get("worker") or e.get("worker_id")) not in base]
+    out: dict[str, Any] = {}
+    for how in ("warm", "cold"):
+        secs = [float(e["seconds"]) for e in ev if e.get("how") == how and e.get("seconds") is not None]
+        out[how] = sum(1 for e in ev if e.get("how") == how)
+        out[f"{how}_s_p50"] = _pct(secs, 50)
+        out[f"{how}_s_max"] = round(max(secs), 3) if secs else None
+    reasons: dict[str, int] = {}
+    for e in ev:
+        if e.get("how") != "warm":
+            r = str(e.get("reason") or "?")[:80]
+            reasons[r] = reasons.get(r, 0) + 1
+    out["cold_reasons"] = reasons
+    return out
+
+
+def warm_env(warm: bool) -> dict[str, str]:
+    """The environment that switches warm images for an arm's cluster (its daemon, agents and
+    controller read it through WarmConfig.load, over configs/images.yaml)."""
+    return {"RELOCATOR_WARM__ENABLED": "1" if warm else "0"}
 
 
 def one_run(rule: str, base_dir: str, engine: str, scale: str | float, quick: str = "0") -> dict:
@@ -328,8 +391,14 @@ def compare(out: dict[str, dict]) -> dict:
     best = min(stock, key=lambda k: stock[k]["wait_s_p99"])
     ratio = round(stock[best]["wait_s_p99"] / m["wait_s_p99"], 2) if m.get("wait_s_p99") else None
     ev = out.get(PreemptionRule.EVICT_REQUEUE.value, {})
+    # issue 28's "stock-scheduler arm": a queue, no preemption (what the issue-13 baseline became)
+    pw = out.get(PreemptionRule.PLACE_OR_WAIT.value, {})
+    pw_ratio = (round(pw["wait_s_p99"] / m["wait_s_p99"], 2)
+                if pw.get("wait_s_p99") is not None and m.get("wait_s_p99") else None)
     return {"best_stock_arm": best, "p99_best_stock_over_moves": ratio,
             "target_p99_moves_le_third_of_best_stock": ratio is not None and ratio >= 3.0,
+            "p99_place_or_wait_over_moves": pw_ratio,
+            "target_p99_moves_5x_shorter_than_place_or_wait": pw_ratio is not None and pw_ratio >= 5.0,
             "target_moves_no_failed_requests_no_work_lost": m["failed_requests"] == 0
             and m["tokens_of_work_lost"] == 0,
             "evict_requeue_loses_work": bool(ev) and ev.get("tokens_of_work_lost", 0) > 0,
@@ -337,15 +406,18 @@ def compare(out: dict[str, dict]) -> dict:
 
 
 def run(base_dir: str = "/var/lib/relocator/bench-scheduling", engine: str = "reference", scale: float = 1.0,
-        log: Callable[[str], None] = print, arms: tuple[str, ...] = ARMS, quick: bool = False) -> dict:
-    """The day once per rule in `arms`; each on a fresh local cluster (3 nodes x 4 GPUs)."""
+        log: Callable[[str], None] = print, arms: tuple[str, ...] = ARMS, quick: bool = False,
+        warm: bool = True) -> dict:
+    """The day once per rule in `arms`; each on a fresh local cluster (3 nodes x 4 GPUs), with
+    warm images on (`warm`, the default) or off in every arm."""
     arms = tuple(PreemptionRule(a).value for a in arms)  # an unknown rule: ValueError naming them
     out: dict[str, Any] = {}
     t_all = time.monotonic()
     for rule in (a for a in ARMS if a in arms):
         # each arm in a process of its own: a fresh Ray driver per cluster (a second cluster
         # in the same driver was seen refusing its first call)
-        env = {**os.environ, "RELOCATOR_ROUTER_CONTINUATION": "true" if rule == PreemptionRule.MOVES else "false"}
+        env = {**os.environ, **warm_env(warm),
+               "RELOCATOR_ROUTER_CONTINUATION": "true" if rule == PreemptionRule.MOVES else "false"}
         t = time.monotonic()
         proc = subprocess.run([sys.executable, "-c", "import sys, json; from relocator.bench.scheduling import "
                                "one_run; print(json.dumps(one_run(*sys.argv[1:6])))", rule, base_dir, engine,
@@ -354,12 +426,13 @@ def run(base_dir: str = "/var/lib/relocator/bench-scheduling", engine: str = "re
             raise RuntimeError(f"the {rule} run failed (exit {proc.returncode}); see its log above")
         out[rule] = json.loads(proc.stdout.strip().splitlines()[-1])
         out[rule]["router_continuation"] = rule == PreemptionRule.MOVES
+        out[rule]["warm_images"] = "on" if warm else "off"
         out[rule]["seconds"] = round(time.monotonic() - t, 1)
         log(f"{rule}: {out[rule]}")
     out["comparison"] = compare(out)
     day, end = (QUICK, QUICK_END) if quick else (DAY, DAY_END)
     out["day"] = {"nodes": 3, "gpus_per_node": 4, "engine": engine, "scale": scale, "day_s": end, "quick": quick,
                   "base": [w for w, _ in BASE], "launches": [s.__dict__ for s in day], "streams": STREAMS,
-                  "max_tokens": MAX_TOKENS, "arms": list(arms)}
+                  "max_tokens": MAX_TOKENS, "arms": list(arms), "warm_images": "on" if warm else "off"}
     out["seconds"] = round(time.monotonic() - t_all, 1)
     return out

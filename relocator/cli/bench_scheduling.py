@@ -18,8 +18,16 @@ ROWS = ("launches", "launch_failures", "wait_s_p50", "wait_s_p99", "wait_s_max",
         "suspends", "resumes", "pauses", "moves", "moves_failed", "failed_requests", "tokens_of_work_lost", "failed_requests_not_at_stops",
         "tokens_of_work_lost_not_at_stops",
         "gpu_s_idle_while_waiting", "client_blackout_max_s", "tokens_lost", "requests", "suspended_at_end",
-        "seconds")
+        "seconds", "starts")
 ALL_ARMS = "place-or-wait,evict-requeue,suspend-in-place,moves"
+WARM = ("on", "off")
+
+
+def _warm(value: str) -> bool:
+    """`--warm on|off` as a bool (ValueError naming the valid values)."""
+    if value not in WARM:
+        raise ValueError(f"{value!r}: valid: {', '.join(WARM)}")
+    return value == "on"
 
 
 def _arms(value: str) -> tuple[str, ...]:
@@ -47,6 +55,10 @@ def bench_scheduling(
     arms: str = typer.Option(ALL_ARMS, "--arms", help="the preemption rules to run, comma-separated",
                              callback=choice_list(_arms, _rules)),
     quick: bool = typer.Option(False, "--quick", help="the day's first half (70 s): 6 launches"),
+    warm: str = typer.Option("on", "--warm", callback=choice_list(_warm, lambda: WARM),
+                             help="warm images in every arm: on (the default, as configs/images.yaml ships: "
+                                  "a start of a kind its node has seen restores its image) or off (every "
+                                  "start cold, nothing captured)"),
     cluster_dir: str = typer.Option("/var/lib/relocator/bench-scheduling", "--cluster-dir",
                                     help="where each arm's local cluster lives"),
 ) -> None:
@@ -57,7 +69,7 @@ def bench_scheduling(
 
     chosen = _arms(arms)
     res = run(cluster_dir, engine.value, scale, log=lambda m: err.print(f"[dim]{m}[/]", highlight=False),
-              arms=chosen, quick=quick)
+              arms=chosen, quick=quick, warm=_warm(warm))
     if json_out:
         print_json(res)
         return
@@ -68,4 +80,5 @@ def bench_scheduling(
     for k in ROWS:
         t.add_row(k, *(str(res[a].get(k)) for a in chosen))
     console.print(t)
-    console.print(f"moves vs the best stock arm: {res['comparison']}", highlight=False)
+    console.print(f"warm images: {res['day']['warm_images']}; moves vs the stock arms: {res['comparison']}",
+                  highlight=False)
