@@ -10,7 +10,7 @@ from relocator.controller.machine import DONE, ROLLED_BACK, Machine
 from relocator.controller.model import Relocation, WorkerRecord
 from relocator.controller.store import Store
 from relocator.controller.transfers import AUTO_ORDER, STRATEGIES
-from relocator.controller.transfers.handoff import CATCH_UP_ROUNDS, GAP_TOKENS, SOURCE_NICE, WarmUp
+from relocator.controller.transfers.handoff import CATCH_UP_ROUNDS, GAP_TOKENS, SOURCE_NICE, TARGET_NICE, WarmUp
 from relocator.vocab import TransferMode
 from tests.test_controller_machine import FakeBackend
 
@@ -26,7 +26,8 @@ class HandoffBackend(FakeBackend):
         self.prefilled: list[list[int]] = []
         self.stay_on_source = 0  # streams the router kept on the source at SWITCH
         self.catch_ups: list[int] = []  # the router's catch-up rounds asked at each switch call
-        self.nice: list[tuple[str, str, int]] = []  # the source's priority, as asked
+        self.nice: list[tuple[str, str, int]] = []  # the copies' priorities, as asked
+        self.started_at: list[int | None] = []  # each target copy's nice at its start
         self.at_token: list[bool] = []  # each switch call: cut at the streams' next token?
 
     def prioritize(self, node, cell, nice):
@@ -34,8 +35,9 @@ class HandoffBackend(FakeBackend):
         self.nice.append((node, cell, nice))
         return 3
 
-    def start_copy(self, node, cell, worker, gpu_ids):
+    def start_copy(self, node, cell, worker, gpu_ids, nice=None):
         self._call("start_copy", node, cell)
+        self.started_at.append(nice)
         self.cells[(node, cell)] = "running"
         return {"endpoint": f"http://{node}/{cell}", "cell_id": cell, "warm": {"how": "warm", "key": "k"}}
 
@@ -163,7 +165,13 @@ def test_handoff_moves_without_freezing_the_source(env) -> None:
     assert (w.node, w.cell_id, w.state) == ("n2", "w1-r1", "running")
     assert be.catch_ups == [CATCH_UP_ROUNDS] and CATCH_UP_ROUNDS > 0  # the router's last rounds
     assert be.at_token == [True]  # each stream cut right after its next token (the source serves until then)
-    assert be.nice == [("n1", "c1", SOURCE_NICE)] and SOURCE_NICE < 0  # favoured while the target starts
+    # the source favoured while the target starts; the target started low, normal before it
+    # warms up and serves, and again at RELEASE (never left low)
+    assert be.started_at == [TARGET_NICE] and TARGET_NICE > 0
+    assert be.nice == [("n1", "c1", SOURCE_NICE), ("n2", "w1-r1", 0), ("n2", "w1-r1", 0)] and SOURCE_NICE < 0, be.nice
+    prio = [i for i, c in enumerate(be.calls) if c[0] == "prioritize" and c[1] == "n2"]
+    assert prio[0] < names.index("prefill") and prio[-1] > names.index("switch"), be.calls
+    assert info["target_normal_priority"] is True and rel.phases[-1]["info"]["target_normal_priority"] is True
 
 
 @pytest.mark.parametrize("failing", ["start_copy", "prefill", "router_streams"])
@@ -231,3 +239,23 @@ def test_a_handoffs_blackout_is_its_switch_only() -> None:
     assert blackout_phases({"transfer": "handoff"}) == ("SWITCH",)
     assert blackout_phases({"transfer": "stream"}) == BLACKOUT_PHASES
     assert blackout_phases({}) == BLACKOUT_PHASES
+
+
+def test_a_target_whose_priority_cannot_be_set_back_still_moves_and_it_is_retried(env) -> None:
+    store, be = env
+    real = be.prioritize
+    failures = {"n": 0}
+
+    def prioritize(node, cell, nice):
+        if node == "n2" and failures["n"] < 2:  # RESTORE's two tries fail; RELEASE's works
+            failures["n"] += 1
+            raise RuntimeError("agent busy")
+        return real(node, cell, nice)
+
+    be.prioritize = prioritize
+    rel = _run(store, be)
+    assert rel.result == DONE, rel.error  # a priority is logged, never fatal
+    restore = rel.phases[[p["name"] for p in rel.phases].index("RESTORE")]["info"]
+    assert restore["target_normal_priority"] is False, restore
+    assert rel.phases[-1]["info"]["target_normal_priority"] is True, rel.phases[-1]
+    assert be.nice[-1] == ("n2", "w1-r1", 0), be.nice  # the serving copy at normal priority

@@ -219,7 +219,9 @@ class NodeAgent(ModeOps, WarmCopyOps):  # every transfer mode's ops, warm image 
     # -- lifecycle --------------------------------------------------------------------------
     def launch(self, cell_id: str, model_dir: str, served_name: str, port: int | None = None,
                gpu_ids: list[int] | None = None, ready_timeout: float = 600.0,
-               extra: dict | None = None, engine: str | None = None) -> dict[str, Any]:
+               extra: dict | None = None, engine: str | None = None, nice: int | None = None) -> dict[str, Any]:
+        """Start a worker in cell `cell_id`; `nice`: the start and the copy at that CPU priority (a
+        handoff's target next to its serving source; the controller sets it back at SWITCH)."""
         from adapters.base import DEFAULT_ENGINE
         from relocator.worker import default_spec
 
@@ -240,7 +242,7 @@ class NodeAgent(ModeOps, WarmCopyOps):  # every transfer mode's ops, warm image 
                     spec.env = {**spec.env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpu_ids))}
             t0 = time.monotonic()
             # a warm restore of its kind when the node has one, else cold (and captured)
-            cell, ready_s, warm = self.warm.start(spec, engine, cell_id, cell_gpus, ready_timeout)
+            cell, ready_s, warm = self.warm.start(spec, engine, cell_id, cell_gpus, ready_timeout, nice=nice)
             self.last_words_of.watch(cell.id, cell.log_path)
             return {**self._describe(cell), "ready_s": round(ready_s, 3),
                     "launch_s": round(time.monotonic() - t0, 3), "warm": warm}

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from relocator.warm.config import WarmConfig
+from relocator.warm.lowstart import captured_at_normal, niced_start, renice
 
 log = logging.getLogger("relocator.warm")
 #: how long a start waits for the filing of its kind's image in progress (seconds)
@@ -47,26 +48,29 @@ class WarmStarts:
 
     # -- a start ---------------------------------------------------------------------------------
     def start(self, spec, engine: str, cell_id: str, gpu_ids: list[int] | None,
-              ready_timeout: float) -> tuple[Any, float, dict[str, Any]]:
+              ready_timeout: float, nice: int | None = None) -> tuple[Any, float, dict[str, Any]]:
         """(the ready cell, seconds to ready, how it started: {how: warm|cold, key, reason,
-        capture}). Raises only what a cold launch raises."""
+        capture}). Raises only what a cold launch raises. `nice`: the start and the copy at that
+        CPU priority (a handoff's target next to its serving source: relocator.warm.lowstart)."""
         from relocator.worker import launch_worker, wait_ready
 
         cfg = WarmConfig.load()
-        cell, warm = self._restore(cfg, spec, engine, cell_id, gpu_ids, ready_timeout)
-        if cell is not None:
-            return cell, warm.pop("ready_s"), warm
-        cell = launch_worker(spec, engine=engine, cell_id=cell_id, gpu_ids=gpu_ids)
-        try:
-            ready_s = asyncio.run(wait_ready(cell, timeout=ready_timeout))
-        except BaseException:
-            cell.kill()
-            raise
-        warm["capture"] = self.capture(cfg, cell)
-        return cell, ready_s, warm
+        with niced_start(nice):  # what the start forks (CRIU, a cold engine) inherits it
+            cell, warm = self._restore(cfg, spec, engine, cell_id, gpu_ids, ready_timeout, nice)
+            if cell is not None:
+                return cell, warm.pop("ready_s"), {**warm, **({"nice": nice} if nice is not None else {})}
+            cell = launch_worker(spec, engine=engine, cell_id=cell_id, gpu_ids=gpu_ids)
+            renice(cell, nice)
+            try:
+                ready_s = asyncio.run(wait_ready(cell, timeout=ready_timeout))
+            except BaseException:
+                cell.kill()
+                raise
+            warm["capture"] = captured_at_normal(cell, nice, lambda: self.capture(cfg, cell))
+            return cell, ready_s, {**warm, **({"nice": nice} if nice is not None else {})}
 
     def _restore(self, cfg: WarmConfig, spec, engine: str, cell_id: str, gpu_ids: list[int] | None,
-                 ready_timeout: float) -> tuple[Any, dict[str, Any]]:
+                 ready_timeout: float, nice: int | None = None) -> tuple[Any, dict[str, Any]]:
         """The warm copy, ready, or (None, why it starts cold)."""
         from relocator.cell.cell import CellError
         from relocator.snapshot.criu import CriuError
@@ -94,6 +98,7 @@ class WarmStarts:
             if isinstance(exc, NoWarmImage):  # say why there is none: the copy, the last capture
                 why += [w for w in (fetch_why, self._not_filed.get(key or "", "")) if w]
             return None, {"how": "cold", "key": key, "reason": "; ".join(why)}
+        renice(cell, nice)  # CRIU put back each thread's nice of the image
         try:
             asyncio.run(wait_ready(cell, timeout=min(ready_timeout, 120.0)))
         except Exception as exc:  # noqa: BLE001 - a copy that does not serve: start cold instead

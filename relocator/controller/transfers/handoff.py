@@ -41,6 +41,12 @@ AUTO_RULE = ("auto picks it when the target's store holds a warm image of the wo
 #: the source's nice value while the target copy starts and warms up next to it (where both share
 #: CPUs, the target's start took the source's decoding time: the longest client gap fell there)
 SOURCE_NICE = -10
+#: the target copy's nice value while it starts (its CRIU restore and health next to the serving
+#: source took the CPU from the source, the router and the clients: the move's longest gap fell
+#: there); nice 19, not SCHED_IDLE: a copy starved outright would miss its ready wait. Normal
+#: again for the warm-up: at 19 beside a busy source its prefills would barely run, the source
+#: would run ahead round after round, and the switch would recompute it all
+TARGET_NICE = 19
 #: how long streams that cannot be continued exactly may finish on the source after SWITCH
 #: (the default of config controller.handoff_window_s)
 WINDOW_S = 30.0
@@ -49,10 +55,12 @@ WINDOW_S = 30.0
 class HandoffCalls:
     """The handoff's calls (RayBackend inherits them; relocator.agent.modes.handoff)."""
 
-    def start_copy(self, node: str, cell_id: str, worker: "WorkerRecord", gpu_ids: list[int] | None) -> dict:
-        """A second copy of `worker` on `node` (warm image of its kind, else cold)."""
+    def start_copy(self, node: str, cell_id: str, worker: "WorkerRecord", gpu_ids: list[int] | None,
+                   nice: int | None = None) -> dict:
+        """A second copy of `worker` on `node` (warm image of its kind, else cold), started and
+        left at CPU priority `nice` (None: normal)."""
         return self.agents.launch(node, cell_id, worker.model_dir, worker.model,  # type: ignore[attr-defined]
-                                  engine=worker.engine, gpu_ids=gpu_ids, extra=engine_extra(worker.gpus))
+                                  engine=worker.engine, gpu_ids=gpu_ids, extra=engine_extra(worker.gpus), nice=nice)
 
     def prioritize(self, node: str, cell_id: str, nice: int) -> int:
         return self.agents.call(node, lambda a: a.prioritize.remote(cell_id, nice),  # type: ignore[attr-defined]
@@ -132,6 +140,19 @@ def favour(backend: Any, rel: "Relocation", nice: int) -> None:
         log.warning("handoff %s: source priority not set to %d: %s", rel.id, nice, exc)
 
 
+def to_normal(backend: Any, rel: "Relocation", tries: int = 2) -> bool:
+    """The target copy back at normal priority (it serves from SWITCH on); whether it is. Never
+    raises: a copy left at nice 19 serves slowly, a failed move for it would be worse (logged)."""
+    for attempt in range(1, tries + 1):
+        try:
+            backend.prioritize(rel.dst, rel.dst_cell, 0)
+            return True
+        except Exception as exc:  # noqa: BLE001
+            log.warning("handoff %s: target copy %s not set back to normal priority (try %d of %d): %s",
+                        rel.id, rel.dst_cell, attempt, tries, exc)
+    return False
+
+
 def on_source(backend: Any, rel: "Relocation") -> int:
     """Streams still read from the source's endpoint (those kept at SWITCH)."""
     return sum(1 for s in backend.router_streams(rel.worker) if s.get("endpoint") == rel.src_endpoint)
@@ -181,17 +202,20 @@ class HandoffTransfer(TransferStrategy):
         favour(ctx.backend, rel, SOURCE_NICE)  # the source keeps its CPUs while the target starts
         try:
             t0 = time.monotonic()
-            info = ctx.backend.start_copy(rel.dst, rel.dst_cell, worker, rel.dst_gpu_ids or None)
+            # started at low priority: its start must not take the serving source's CPU
+            info = ctx.backend.start_copy(rel.dst, rel.dst_cell, worker, rel.dst_gpu_ids or None, nice=TARGET_NICE)
             rel.dst_endpoint = info["endpoint"]
             ctx.save(rel)  # a failure from here on kills the target copy (rollback)
             how = info.get("warm") or {}  # the agent's launch: {how: warm|cold, key, reason, capture}
             start = {"start_s": round(time.monotonic() - t0, 4), "warm": how.get("how") == "warm",
                      "start_why": how.get("reason", "")}
+            start["target_normal_priority"] = to_normal(ctx.backend, rel)  # it warms up, then serves
             warm = warm_up(ctx.backend, rel, worker)
         except BaseException:
             favour(ctx.backend, rel, 0)  # rolled back: the source serves on as before
             raise
-        return {**info, **start, **warm, "source_frozen_s": 0.0, "source_nice": SOURCE_NICE}
+        return {**info, **start, **warm, "source_frozen_s": 0.0, "source_nice": SOURCE_NICE,
+                "target_nice": TARGET_NICE}
 
     def switch(self, ctx: Context, rel: "Relocation", worker: "WorkerRecord") -> dict:
         # each stream cut right after its next token: the source serves until then, so the
@@ -205,9 +229,12 @@ class HandoffTransfer(TransferStrategy):
 
     def release(self, ctx: Context, rel: "Relocation") -> dict[str, Any]:
         window = float(ctx.handoff_window_s)  # config controller.handoff_window_s
+        # it serves now: normal priority again (RESTORE's may have failed, or a controller restart
+        # resumed the move past it); never left at TARGET_NICE
+        normal = to_normal(ctx.backend, rel)
         t0 = time.monotonic()
         left = settle(lambda: on_source(ctx.backend, rel) == 0, window, every=0.5)
-        out: dict[str, Any] = {"window_s": round(time.monotonic() - t0, 4)}
+        out: dict[str, Any] = {"window_s": round(time.monotonic() - t0, 4), "target_normal_priority": normal}
         if not left:  # past the window: continued on the target anyway (inexact, reported)
             info = ctx.backend.handoff_switch(rel.worker, rel.dst_endpoint, keep_inexact=False,
                                               cut_from=rel.src_endpoint)
@@ -216,4 +243,4 @@ class HandoffTransfer(TransferStrategy):
 
 
 __all__ = ["AUTO_RULE", "CATCH_UP_ROUNDS", "GAP_TOKENS", "HandoffCalls", "HandoffTransfer", "MAX_ROUNDS", "SOURCE_NICE",
-           "WINDOW_S", "WarmUp", "favour", "warm_up"]
+           "TARGET_NICE", "WINDOW_S", "WarmUp", "favour", "to_normal", "warm_up"]

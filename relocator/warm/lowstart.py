@@ -1,0 +1,54 @@
+"""A start at low CPU priority: a handoff's target copy starts next to the serving source, and on
+a host with few CPUs its start (CRIU restore of the warm image, the engine's health) took the
+CPU from the source, the router and the clients (issue 29: the handoff's longest gap fell there).
+
+The start runs with its thread at `nice` (the CRIU restore or the cold engine it forks inherits
+it); a restored tree is niced again once it exists (CRIU puts back each thread's own nice from
+the image); a cold copy is at normal priority only while its warm image is captured (an image
+must never carry the low priority into the next start). The controller sets the copy back to
+normal at SWITCH (relocator.controller.transfers.handoff.to_normal)."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, TypeVar
+
+from relocator import procs
+
+log = logging.getLogger("relocator.warm")
+T = TypeVar("T")
+
+
+def renice(cell: Any, nice: int | None) -> int:
+    """Every thread of `cell`'s tree at `nice` (None: nothing); the threads changed. Best
+    effort: a start never fails for it (logged)."""
+    if nice is None:
+        return 0
+    try:
+        return procs.set_nice(cell.pids(), nice)
+    except Exception as exc:  # noqa: BLE001 - a priority is never worth a failed start
+        log.warning("cell %s not set to nice %d: %s", getattr(cell, "id", "?"), nice, exc)
+        return 0
+
+
+@contextmanager
+def niced_start(nice: int | None) -> Iterator[None]:
+    """The block (a start) with this thread at `nice`, its old value back after (None: as is)."""
+    with procs.this_thread_niced(nice):
+        yield
+
+
+def captured_at_normal(cell: Any, nice: int | None, capture: Callable[[], T]) -> T:
+    """`capture()` (the warm image of a cold copy) with `cell` at nice 0, then back at `nice`:
+    CRIU keeps each thread's nice in the image, and every later start from it would inherit it."""
+    if nice is None:
+        return capture()
+    renice(cell, 0)
+    try:
+        return capture()
+    finally:
+        renice(cell, nice)
+
+
+__all__ = ["captured_at_normal", "niced_start", "renice"]
