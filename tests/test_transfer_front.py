@@ -172,6 +172,98 @@ def test_a_flood_evicts_the_oldest_waiter_not_the_newcomer(move: dict) -> None:
     assert front.refused == 5, front.why()
 
 
+def _from(src: str, dst: tuple[str, int]) -> socket.socket:
+    """A TCP connection to `dst` from the local address `src` (any 127/8 address is this host's)."""
+    s = socket.socket(socket.AF_INET6 if ":" in src else socket.AF_INET, socket.SOCK_STREAM)
+    s.bind((src, 0))
+    s.settimeout(5)
+    s.connect(dst)
+    return s
+
+
+def _until(cond, what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_flood_from_another_address_takes_no_slot_from_the_peer(move: dict) -> None:
+    """The front knows where the move's peer connects from (its agent's transfer address): a
+    flood of idle connections from any other address is closed at once, before TLS, counted,
+    and evicts nobody; the peer, connected before the flood (it still holds one of only two
+    slots, 30 s to handshake), gets in afterwards."""
+    front, _ = _front(move, handshake_s=30.0, max_pending=2, expect_addr="127.0.0.2")
+    peer_raw = _from("127.0.0.2", ("127.0.0.1", front.port))  # the peer's host, not handshaking yet
+    flood = []
+    try:
+        for _ in range(20):
+            s = _from("127.0.0.1", ("127.0.0.1", front.port))
+            flood.append(s)
+        _until(lambda: front.refused_address == 20, f"the flood was not all refused at once: {front.why()}")
+        for s in flood:
+            assert s.recv(1) == b"", "a stranger's connection is closed without a byte"
+        assert front.refused == 20 and "not the move's peer address 127.0.0.2" in front.last_refused, front.why()
+        with _client(move["peer"]).wrap_socket(peer_raw) as tls:  # the slot it held is still there
+            tls.sendall(b"pages")
+            assert tls.recv(16) == b"ack:pages", front.why()
+    finally:
+        for s in flood:
+            s.close()
+        peer_raw.close()
+    front.join(10)
+    assert front.state == "done" and front.peer.startswith("127.0.0.2:"), front.why()
+    assert front.info()["refused_address"] == 20, front.info()
+
+
+def test_the_peers_address_is_not_enough_without_its_certificate(move: dict) -> None:
+    """From the right address with the wrong credential: refused by TLS, the door kept."""
+    front, _ = _front(move, expect_addr="127.0.0.2")
+    with _from("127.0.0.2", ("127.0.0.1", front.port)) as raw:
+        with pytest.raises((ssl.SSLError, ConnectionError)):
+            with _client(credentials.make_move()["peer"]).wrap_socket(raw) as s:
+                s.sendall(b"x")
+                s.recv(1)
+    _until(lambda: front.refused == 1, front.why())
+    assert front.refused_address == 0 and front.state == "listening", front.why()
+    front.close()
+
+
+@pytest.mark.parametrize("a, b, same", [("127.0.0.1", "::ffff:127.0.0.1", True), ("::1", "0:0::1", True),
+                                        ("fe80::1%eth0", "fe80::1", True), ("10.0.0.1", "10.0.0.2", False)])
+def test_peer_addresses_compare_by_host(a: str, b: str, same: bool) -> None:
+    from relocator.agent.front import same_host
+
+    assert same_host(a, b) is same and same_host(b, a) is same
+
+
+def _has_ipv6_loopback() -> bool:
+    if not socket.has_ipv6:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback (::1) to bind")
+def test_the_front_listens_on_an_ipv6_address(move: dict) -> None:
+    """Given an IPv6 transfer address, the front binds that family (it took IPv4 only)."""
+    ours, theirs = socket.socketpair()
+    _criu(theirs)
+    front = start_for("::1", move["listener"], ours, peer_cert=move["peer"]["cert"], expect_addr="::1",
+                      handshake_s=1.0, accept_s=20.0)
+    assert front.lst.family == socket.AF_INET6, front.lst
+    with socket.create_connection(("::1", front.port), timeout=5) as raw:
+        with _client(move["peer"]).wrap_socket(raw) as s:
+            s.sendall(b"v6")
+            assert s.recv(16) == b"ack:v6", front.why()
+    front.join(10)
+    assert front.state == "done" and front.peer.startswith("[::1]:"), front.why()
+
+
 def test_nobody_in_time_gives_up_and_closes_criu(move: dict) -> None:
     ours, theirs = socket.socketpair()
     front = start_for("127.0.0.1", move["listener"], ours, peer_cert=move["peer"]["cert"], accept_s=0.3)
@@ -389,3 +481,69 @@ def test_giving_up_a_post_copy_ends_its_front_first(tmp_path: Path, monkeypatch:
     ls.record(11, "127.0.0.1", 4242, str(tmp_path / "img"), front_pid=22)
     monkeypatch.setattr(ls, "clear", lambda: None)
     assert ls.abort() == "front closed" and killed == [22], killed
+
+
+@pytest.mark.parametrize("mode", ["stream", "postcopy"])
+def test_the_listening_agent_is_told_its_peers_address(tmp_path: Path, mode: str) -> None:
+    """The controller tells the listening agent (stream: the target's page server; post-copy:
+    the source's lazy dump) the other node's transfer address, from its agent's transfer_info,
+    so its front can close everyone else's connections before TLS."""
+    from relocator.controller.model import DONE, Relocation
+    from relocator.controller.transfers import peers
+    from tests.test_transfer_units import _machine_env, _PostCopyBackend
+
+    peers._cache.clear()
+    be = _PostCopyBackend({})
+    addresses = {"n1": "10.250.0.12", "n2": "10.250.0.13"}
+    info = be.transfer_info
+    be.transfer_info = lambda node: {**info(node), "address": addresses[node]}
+    told: dict = {}
+    ops, dump_lazy = be.open_page_server, be.dump_lazy
+    be.open_page_server = lambda node, image_dir, peer_address="": (
+        told.update(node=node, peer=peer_address), ops(node, image_dir))[1]
+    be.dump_lazy = lambda node, cell, image_dir, peer_address="": (
+        told.update(node=node, peer=peer_address), dump_lazy(node, cell, image_dir))[1]
+    _, m = _machine_env(tmp_path, be)
+    try:
+        rel = m.run(Relocation(id="r1", worker="w1", src="n1", dst="n2", transfer=mode))
+    finally:
+        peers._cache.clear()
+    assert rel.result == DONE, rel.error
+    want = {"node": "n2", "peer": "10.250.0.12"} if mode == "stream" else {"node": "n1", "peer": "10.250.0.13"}
+    assert told == want, (mode, told)
+
+
+def test_an_unknown_peer_address_leaves_the_call_as_it_was() -> None:
+    from relocator.controller.transfers import peers
+
+    peers._cache.clear()
+
+    class NoInfo:
+        pass
+
+    class Broken:
+        def transfer_info(self, node: str) -> dict:
+            raise RuntimeError("agent lost")
+
+    assert peers.address_kw(NoInfo(), "n1") == {} and peers.address_kw(Broken(), "n1") == {}
+    assert "n1" not in peers._cache, "a failure is not cached"
+
+
+def test_the_pump_closes_a_connection_from_another_address_before_tls(tmp_path: Path) -> None:
+    """The post-copy push (relocator.agent.pump) takes the same pin: a stranger's connection is
+    closed without a handshake (which would hold the pump for up to 2 s), the keeper's passes."""
+    import argparse
+
+    from relocator.agent import pump
+
+    p = pump.Pump(argparse.Namespace(cell_dir=str(tmp_path), peer_address="127.0.0.2"))
+    with socket.create_server(("127.0.0.1", 0)) as lst:
+        port = lst.getsockname()[1]
+        with _from("127.0.0.1", ("127.0.0.1", port)) as stranger:
+            assert p.admit(lst, None, port) is None and p.refused == 1
+            assert stranger.recv(1) == b"", "closed at once"
+        assert "not the move's peer address 127.0.0.2" in (pump.read_state(tmp_path) or {}).get("last_refused", "")
+        with _from("127.0.0.2", ("127.0.0.1", port)):
+            conn = p.admit(lst, None, port)
+            assert conn is not None and conn.getpeername()[0] == "127.0.0.2", p.refused
+            conn.close()

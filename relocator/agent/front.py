@@ -5,6 +5,10 @@ connection they accept: a stranger that connects first, or just sits idle, takes
 only door (the move hung or rolled back). Here CRIU speaks plaintext on one end of a socket
 pair (`--ps-socket`) and the front holds the TCP port in its place:
 
+- with `expect_addr` (the other agent's transfer address, which its dump or keeper connects
+  from), a connection from any other address is closed at once, before TLS, and takes no
+  pending slot (counted in `refused` and `refused_address`): only the peer's own host can
+  compete for the slots below;
 - every connection gets at most `handshake_s` to finish its TLS handshake, several at once (a
   silent or slow client holds nothing back), at most `max_pending` in flight (the oldest goes);
 - the handshake requires a certificate of this move's CA (relocator.credentials.make_move) and,
@@ -32,14 +36,37 @@ from typing import Callable, Iterator
 BUF = 1 << 20
 
 
+def family_of(address: str) -> socket.AddressFamily:
+    """AF_INET6 for an IPv6 literal (`::1`, `fd00::5`), AF_INET otherwise."""
+    return socket.AF_INET6 if ":" in address else socket.AF_INET
+
+
+def same_host(a: str, b: str) -> bool:
+    """Two literal addresses of one host: equal once an IPv4-mapped IPv6 form (`::ffff:1.2.3.4`)
+    and an IPv6 zone (`fe80::1%eth0`) are taken off, and IPv6 written in canonical form."""
+    import ipaddress
+
+    def norm(x: str) -> str:
+        x = x.split("%", 1)[0]
+        try:
+            ip = ipaddress.ip_address(x)
+        except ValueError:
+            return x
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ip)
+
+    return norm(a) == norm(b)
+
+
 class Front:
     def __init__(self, address: str, ctx: ssl.SSLContext, backend: socket.socket, *, port: int = 0,
-                 expect_peer: str = "", handshake_s: float = 2.0, accept_s: float = 120.0, max_pending: int = 16,
-                 io_s: float = 60.0, on_change: Callable[["Front"], None] | None = None) -> None:
-        self.ctx, self.backend, self.expect_peer = ctx, backend, expect_peer
+                 expect_peer: str = "", expect_addr: str = "", handshake_s: float = 2.0, accept_s: float = 120.0,
+                 max_pending: int = 16, io_s: float = 60.0, on_change: Callable[["Front"], None] | None = None) -> None:
+        self.ctx, self.backend, self.expect_peer, self.expect_addr = ctx, backend, expect_peer, expect_addr
         self.handshake_s, self.accept_s, self.max_pending, self.io_s = handshake_s, accept_s, max_pending, io_s
         self.on_change = on_change
-        self.lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.lst = socket.socket(family_of(address), socket.SOCK_STREAM)  # the address's own family
         self.lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self.lst.bind((address, port))
@@ -49,6 +76,7 @@ class Front:
         self.lst.listen(64)
         self.address, self.port = address, self.lst.getsockname()[1]
         self.refused = 0
+        self.refused_address = 0  # of them, from another address than expect_addr (no slot taken)
         self.last_refused = ""
         self.peer = ""  # who was admitted
         self.state = "listening"  # listening, relaying, done, gave_up, closed, failed
@@ -100,13 +128,15 @@ class Front:
             parts.append(f"peer {self.peer}")
         if self.refused:
             parts.append(f"{self.refused} connection(s) refused, last: {self.last_refused}")
+        if self.refused_address:
+            parts.append(f"{self.refused_address} of them from another address than the peer's {self.expect_addr}")
         if self.error:
             parts.append(self.error)
         return "; ".join(parts)
 
     def info(self) -> dict:
         return {"state": self.state, "port": self.port, "peer": self.peer, "refused": self.refused,
-                "last_refused": self.last_refused, "error": self.error, "bytes_in": self.bytes_in,
+                "refused_address": self.refused_address, "last_refused": self.last_refused, "error": self.error, "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out}
 
     def _set(self, state: str) -> None:
@@ -214,7 +244,11 @@ class Front:
             raw, addr = self.lst.accept()
         except OSError:
             return
-        peer = f"{addr[0]}:{addr[1]}"
+        peer = f"[{addr[0]}]:{addr[1]}" if ":" in addr[0] else f"{addr[0]}:{addr[1]}"
+        if self.expect_addr and not same_host(addr[0], self.expect_addr):  # not the peer's host: no slot
+            self.refused_address += 1
+            self._refuse(raw, peer, f"not the move's peer address {self.expect_addr}")
+            return
         if len(pending) >= self.max_pending:  # a flood: the oldest waiter goes, not the newcomer
             oldest = min(pending, key=lambda s: pending[s][0])
             _, opeer, _ = pending.pop(oldest)
@@ -308,7 +342,7 @@ def start_for(address: str, bundle: dict, backend: socket.socket, **kw) -> Front
     certificate and the move's CA); `peer_cert`, the other end's certificate (kw) to pin."""
     from relocator.credentials import cert_sha256, move_context
 
-    peer_cert = kw.pop("peer_cert", "")
+    peer_cert = kw.pop("peer_cert", "")  # expect_addr (kw): the peer's transfer address, "" for any
     return Front(address, move_context(bundle, server=True), backend,
                  expect_peer=cert_sha256(peer_cert) if peer_cert else "", **kw).start()
 
@@ -348,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend-fd", type=int, required=True)
     p.add_argument("--address", required=True)
     p.add_argument("--peer-sha256", default="")
+    p.add_argument("--peer-address", default="", help="only connections from this address compete for a slot")
     p.add_argument("--state", required=True)
     p.add_argument("--accept-s", type=float, default=300.0)
     p.add_argument("--handshake-s", type=float, default=2.0)
@@ -365,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = server_context()
     if ctx is None:
         raise SystemExit("the front needs credentials (RELOCATOR_MOVE_CREDENTIALS)")
-    front = Front(a.address, ctx, backend, expect_peer=a.peer_sha256, accept_s=a.accept_s,
+    front = Front(a.address, ctx, backend, expect_peer=a.peer_sha256, expect_addr=a.peer_address, accept_s=a.accept_s,
                   handshake_s=a.handshake_s, on_change=save)
     save(front)
     if a.status_fd >= 0:
@@ -384,10 +419,11 @@ STATE_FILE = "front.json"
 
 
 def start_process(cell_dir, backend: socket.socket, address: str, tls_dir: str, peer_cert: str,
-                  accept_s: float = 300.0):
+                  accept_s: float = 300.0, peer_address: str = ""):
     """The post-copy source's front as a process of its own (it outlives the agent, as the lazy
     dump does), in the cell's directory; it loads the move's credentials from `tls_dir` as it
-    starts (the caller may remove them then). Returns (process, port)."""
+    starts (the caller may remove them then). `peer_address`: the target's transfer address
+    (its keeper's connections come from there; "": any). Returns (process, port)."""
     import json
     import os
     import sys
@@ -402,7 +438,7 @@ def start_process(cell_dir, backend: socket.socket, address: str, tls_dir: str, 
     repo = str(Path(__file__).resolve().parents[2])
     argv = [sys.executable, "-S", "-m", "relocator.agent.front", "--backend-fd", str(backend.fileno()),
             "--address", address, "--peer-sha256", cert_sha256(peer_cert), "--state", str(state),
-            "--accept-s", str(accept_s)]
+            "--accept-s", str(accept_s), "--peer-address", peer_address]
     proc = criu.CriuProcess(argv, cell_dir / "front.log", "post-copy TLS front", cwd=repo,
                             env={**os.environ, "PYTHONPATH": repo, ENV_MOVE: tls_dir}, pass_fds=(backend.fileno(),))
     proc.start(timeout=30)

@@ -102,8 +102,9 @@ class PageReceiver:
     """One streamed dump's landing place on the target: `criu page-server` into `image_dir`,
     hashed as it arrives."""
 
-    def __init__(self, image_dir: Path, address: str) -> None:
+    def __init__(self, image_dir: Path, address: str, peer_address: str = "") -> None:
         self.image_dir, self.address = Path(image_dir), address
+        self.peer_address = peer_address  # the source's transfer address: the front admits only it ("": any)
         self.proc = None
         self.port = 0
         self.hasher: TailHasher | None = None
@@ -162,7 +163,7 @@ class PageReceiver:
 
         try:
             self.front = start_for(self.address, self.move["listener"], ours, peer_cert=self.move["peer"]["cert"],
-                                   accept_s=FRONT_ACCEPT_S)
+                                   expect_addr=self.peer_address, accept_s=FRONT_ACCEPT_S)
         except BaseException:
             ours.close()
             self.proc.kill()

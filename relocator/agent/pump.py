@@ -35,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+from relocator.agent.front import family_of, same_host
 from relocator.agent.postcopy.base import FRAME, PAGE_SIZE, alive, is_ours, lazy_ranges, write_state
 from relocator.agent.postcopy.base import read_state as _read_state
 
@@ -104,6 +105,13 @@ class Pump:
         """The connection waiting on `lst` once its peer proved itself (mutual TLS with the
         cluster's CA); None, having closed it, otherwise (and the pump keeps listening)."""
         raw, peer = lst.accept()
+        expect = vars(self.a).get("peer_address", "")
+        if expect and not same_host(peer[0], expect):  # not the keeper's host: closed before TLS
+            raw.close()
+            self.refused += 1
+            self.state(state="listening", port=port, refused=self.refused,
+                       last_refused=f"{peer[0]}: not the move's peer address {expect}"[:300])
+            return None
         if tls is None:
             return raw
         raw.settimeout(self.HANDSHAKE_S)  # a client that says nothing holds the door this long only
@@ -156,7 +164,7 @@ class Pump:
             pass
         pids = ns_pids(a.init_pid)
         frames = plan(Path(a.image_dir), pids)
-        lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        lst = socket.socket(family_of(a.address), socket.SOCK_STREAM)  # the address's own family
         lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         lst.bind((a.address, 0))
         lst.listen(8)
@@ -232,11 +240,12 @@ def stop(cell_dir: Path) -> None:
 
 
 def start(cell_dir: Path, image_dir: Path, init_pid: int, dump_pid: int, address: str,
-          unix: str = "", tls_dir: str = "") -> tuple[object, int]:
+          unix: str = "", tls_dir: str = "", peer_address: str = "") -> tuple[object, int]:
     """Start the pump for a lazy dump (`dump_pid`) of the cell; returns (process, port).
     `unix`: a socket path where a keeper of this host connects too (relocator.agent.locallink).
     `tls_dir`: the move's own credentials (it loads them as it starts; the keeper of this move
-    is then the only client that passes its handshake)."""
+    is then the only client that passes its handshake). `peer_address`: the target's transfer
+    address; a connection from any other is closed before its handshake ("": any)."""
     from relocator.credentials import ENV_MOVE, tls_files
     from relocator.snapshot import criu
 
@@ -244,7 +253,7 @@ def start(cell_dir: Path, image_dir: Path, init_pid: int, dump_pid: int, address
     repo = str(Path(__file__).resolve().parents[2])
     argv = [sys.executable, "-S", "-m", "relocator.agent.pump", "--cell-dir", str(cell_dir), "--image-dir",
             str(image_dir), "--init-pid", str(init_pid), "--dump-pid", str(dump_pid), "--address", address,
-            "--unix", unix]
+            "--unix", unix, "--peer-address", peer_address]
     proc = criu.CriuProcess(argv, Path(cell_dir) / "pump.log", "post-copy pump", cwd=repo,
                             env={**os.environ, "PYTHONPATH": repo, **({ENV_MOVE: tls_dir} if tls_dir else {})})
     proc.start(timeout=30)
@@ -260,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dump-pid", type=int, required=True)
     p.add_argument("--address", required=True)
     p.add_argument("--unix", default="")  # a keeper of this host connects here: no TLS
+    p.add_argument("--peer-address", default="")  # the keeper's host: anyone else is closed before TLS
     p.add_argument("--accept-timeout", type=float, default=120.0)
     p.add_argument("--status-fd", type=int, default=-1)
     args = p.parse_args(argv)

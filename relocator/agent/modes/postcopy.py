@@ -31,9 +31,10 @@ class PostcopyOps(ModeBase):
                 # real NVIDIA GPUs (NVML; Ray's fake counts are not): `auto` never picks post-copy here
                 "nvidia_gpus": gpu_info().count}
 
-    def dump_lazy(self, cell_id: str, image_dir: str) -> dict[str, Any]:
+    def dump_lazy(self, cell_id: str, image_dir: str, peer_address: str = "") -> dict[str, Any]:
         """`transfer: postcopy`, source side: dump all but the memory, keep the tree frozen and
-        serve its memory on a page server until a lazy restore has it all (lazy_dump_wait)."""
+        serve its memory on a page server until a lazy restore has it all (lazy_dump_wait).
+        `peer_address`: the target's transfer address (its keeper connects from there; "": any)."""
         from relocator.agent.postcopy import LazySource
         from relocator.cell.cell import load_cell
         from relocator.snapshot import dump_lazy
@@ -53,7 +54,8 @@ class PostcopyOps(ModeBase):
                     img, proc, port = dump_lazy(cell, Path(image_dir), address)
                     front_pid = 0
                 else:
-                    img, proc, port, front_pid, tls_dir = self._lazy_behind_front(cell, Path(image_dir), address, move)
+                    img, proc, port, front_pid, tls_dir = self._lazy_behind_front(cell, Path(image_dir), address, move,
+                                                                                  peer_address)
                 from relocator.agent.postcopy import _raise_priority
 
                 _raise_priority(proc.pid)  # its page server answers the target's page faults
@@ -69,7 +71,7 @@ class PostcopyOps(ModeBase):
 
                     try:  # the memory's bulk on a channel of its own (relocator.agent.pump)
                         _, pump_port = pump.start(cell.dir, Path(image_dir), cell.init_pid, proc.pid, address,
-                                                  unix=pump_unix, tls_dir=tls_dir)
+                                                  unix=pump_unix, tls_dir=tls_dir, peer_address=peer_address)
                     except (CriuError, OSError, KeyError, ValueError) as exc:  # on demand only, then
                         pump_error = str(exc)[:500]
             finally:  # the front and the pump loaded them as they started: off the disk now
@@ -85,7 +87,7 @@ class PostcopyOps(ModeBase):
                     "pages": img.manifest.pages.value, **({"credential": move["peer"]} if move else {})}
 
     @staticmethod
-    def _lazy_behind_front(cell: Any, image_dir: Path, address: str, move: dict) -> tuple:
+    def _lazy_behind_front(cell: Any, image_dir: Path, address: str, move: dict, peer_address: str = "") -> tuple:
         """The lazy dump on one end of a socket pair, the TLS front (a process of its own,
         relocator.agent.front) on the other and on the port: only this move's keeper gets
         through, a stranger's connection holds nothing up. (image, dump, port, front pid, the
@@ -104,7 +106,8 @@ class PostcopyOps(ModeBase):
                 criu_end.close()  # CRIU has its copy
             tls_dir = str(credentials.install_move(move["listener"]))
             try:
-                fp, port = front.start_process(cell.dir, ours, address, tls_dir, move["peer"]["cert"])
+                fp, port = front.start_process(cell.dir, ours, address, tls_dir, move["peer"]["cert"],
+                                               peer_address=peer_address)
             except BaseException:
                 proc.kill()  # no way in: the dump must not keep the tree frozen
                 credentials.remove_move(tls_dir)

@@ -11,14 +11,15 @@ from relocator.agent.modes.base import ModeBase, transfer_address
 
 
 class StreamOps(ModeBase):
-    def open_page_server(self, image_dir: str) -> dict[str, Any]:
+    def open_page_server(self, image_dir: str, peer_address: str = "") -> dict[str, Any]:
         """`transfer: stream`: a page server receiving a dump's memory into `image_dir` (this
-        node's), hashed as it arrives; receive_image completes the image."""
+        node's), hashed as it arrives; receive_image completes the image. `peer_address`: the
+        source's transfer address (its dump connects from there; "": any address)."""
         from relocator.agent.pagestream import PageReceiver
 
         old = self._receivers.pop(str(image_dir), None)
         if old is not None:
             old.abort()
-        rx = PageReceiver(Path(image_dir), transfer_address()).start()
+        rx = PageReceiver(Path(image_dir), transfer_address(), peer_address).start()
         self._receivers[str(image_dir)] = rx
         return {**rx.offer(), "image_dir": str(image_dir)}

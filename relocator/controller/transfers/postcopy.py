@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from relocator.controller.errors import NodeLost, PlanError, PostCopyFailed, TargetLost
 from relocator.controller.transfers.base import Context, TransferStrategy
+from relocator.controller.transfers.peers import address_kw, forget
 from relocator.vocab import TransferMode
 from relocator.waits import WaitTimeout, settle, until
 
@@ -48,8 +49,11 @@ class PostcopyCalls:
         return self.agents.call(node, lambda a: a.transfer_info.remote(), "transfer_info",  # type: ignore[attr-defined]
                                 timeout=60)
 
-    def dump_lazy(self, node: str, cell_id: str, image_dir: str) -> dict:
-        return self.agents.call(node, lambda a: a.dump_lazy.remote(cell_id, image_dir), "dump_lazy")  # type: ignore[attr-defined]
+    def dump_lazy(self, node: str, cell_id: str, image_dir: str, peer_address: str = "") -> dict:
+        """`peer_address`: the target's transfer address (its keeper's connections alone compete
+        for the source front's handshake slots)."""
+        return self.agents.call(node, lambda a: a.dump_lazy.remote(cell_id, image_dir, peer_address),  # type: ignore[attr-defined]
+                                "dump_lazy")
 
     def postcopy_status(self, node: str, cell_id: str) -> dict:
         return self.agents.call(node, lambda a: a.postcopy_status.remote(cell_id), "postcopy_status",  # type: ignore[attr-defined]
@@ -110,7 +114,7 @@ class PostcopyTransfer(TransferStrategy):
 
     # -- DUMP / TRANSFER / RESTORE ------------------------------------------------------------
     def dump(self, ctx: Context, rel: "Relocation") -> dict:
-        info = ctx.backend.dump_lazy(rel.src, rel.src_cell, rel.image_dir)
+        info = ctx.backend.dump_lazy(rel.src, rel.src_cell, rel.image_dir, **address_kw(ctx.backend, rel.dst))
         credential = info.pop("credential", None)
         if credential:
             self._credentials[rel.id] = credential
@@ -217,6 +221,7 @@ class PostcopyTransfer(TransferStrategy):
 
     def rollback(self, rel: "Relocation", worker: "WorkerRecord") -> None:
         self._credentials.pop(rel.id, None)
+        forget(rel.dst)  # a target that changed address would be refused by the front again
         if "src_gpu_ids" in rel.postcopy:  # rolled back after its switch
             worker.gpu_ids = list(rel.postcopy["src_gpu_ids"])
 
