@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Iterable
 
 import numpy as np
@@ -88,27 +89,42 @@ class TypicalPods:
 def fragmentation(
     cpu_left: np.ndarray, gpu_left: np.ndarray, model: np.ndarray, typical: TypicalPods, model_codes: dict[str, int]
 ) -> np.ndarray:
-    """FGD's node fragmentation (``NodeGpuShareFragAmountScore``), vectorised over nodes.
+    """FGD's node fragmentation (``NodeGpuShareFragAmountScore``), vectorised over nodes and shapes.
 
     ``cpu_left`` (M,), ``gpu_left`` (M, G), ``model`` (M,) -> (M,) expected milli-GPU that the
     typical workload cannot use: for each typical shape, all free GPU if the shape does not fit
     the node (or needs no GPU), else the free milli-GPU on GPUs too small for it."""
     total = gpu_left.sum(axis=1).astype(np.float64)
-    out = np.zeros(len(cpu_left), dtype=np.float64)
-    for t in range(len(typical)):
-        f = typical.freq[t]
-        m = int(typical.gpu_milli[t])
-        if m == 0:
-            out += f * total
-            continue
-        big = gpu_left >= m
-        ok = (big.sum(axis=1) >= typical.num_gpu[t]) & (cpu_left >= typical.cpu[t])
-        if typical.model[t]:
-            code = model_codes.get(typical.model[t], -1)
-            ok &= model == code
-        small = np.where(big, 0, gpu_left).sum(axis=1)
-        out += f * np.where(ok, small, total)
-    return out
+    if len(typical) == 0:
+        return np.zeros(len(cpu_left), dtype=np.float64)
+    milli = typical.gpu_milli
+    # the GPU side depends only on the share asked, and the shapes ask few distinct ones
+    uniq, inv = _distinct_milli(milli.astype(np.int64, copy=False).tobytes())
+    big = gpu_left[None, :, :] >= uniq[:, None, None]  # (U, M, G): GPUs large enough for share u
+    small = np.where(big, 0, gpu_left[None, :, :]).sum(axis=2)[inv]  # (T, M) free milli on GPUs too small
+    ok = (np.count_nonzero(big, axis=2)[inv] >= typical.num_gpu[:, None]) & (cpu_left[None, :] >= typical.cpu[:, None])
+    ok &= (milli > 0)[:, None]  # a shape that needs no GPU cannot use any: all free GPU counts
+    need = _needs_model(typical.model)
+    if need.any():
+        codes = np.array([model_codes.get(m, -1) for m in typical.model], dtype=np.int64)
+        ok &= ~need[:, None] | (model[None, :] == codes[:, None])
+    contrib = typical.freq[:, None] * np.where(ok, small, total[None, :])
+    # cumsum adds the shapes one after the other, in their order: the same float sums as a loop
+    # over shapes (a plain sum over axis 0 may add pairwise and differ in the last bits)
+    return np.cumsum(contrib, axis=0)[-1]
+
+
+@lru_cache(maxsize=64)
+def _distinct_milli(milli: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct GPU shares of the typical shapes (``gpu_milli`` as bytes), and each shape's index in them."""
+    uniq, inv = np.unique(np.frombuffer(milli, dtype=np.int64), return_inverse=True)
+    return uniq, inv.reshape(-1)
+
+
+@lru_cache(maxsize=64)
+def _needs_model(models: tuple[str, ...]) -> np.ndarray:
+    """(T,) which typical shapes ask for one GPU model."""
+    return np.array([bool(m) for m in models], dtype=bool)
 
 
 def cluster_fragmentation_milli(cluster: Cluster, typical: TypicalPods) -> float:
