@@ -19,7 +19,8 @@ def test_catalogue_covers_the_issue() -> None:
         assert FAULTS[name].phase == phase
     assert FAULTS["cut-transfer"].transfer == "stream"
     assert FAULTS["flip-byte"].relocate_faults() == {"pause": {"phase": "RESTORE", "s": 1.0}}
-    assert set(SMOKE_FAULTS) == set(FAULTS)
+    # every fault but the handoff's (a second copy's start each: tests/test_chaos_handoff.py)
+    assert set(SMOKE_FAULTS) == {f for f in FAULTS if not f.startswith("handoff-")}
 
 
 def test_parse_faults() -> None:

@@ -34,6 +34,7 @@ class ChaosConfig:
     gpus_per_node: int = 4
     stop_workers: bool = True  # stop the workers it launched at the end
     engine: str | None = None  # the workers' engine (None: the default engine)
+    transfer: str | None = None  # the moves' transfer mode where their fault forces none (None: the controller's)
     # budgets (relocator/chaos/budget.py): a step (a move and what follows its fault) and the
     # whole run (None: an hour, plus `duration_s`); past one, the run ends `stalled`
     step_budget_s: float = 480.0

@@ -47,6 +47,9 @@ class Fault:
     # "serving again" target for this fault when not the run's (a worker lost for good is
     # replaced: from its last kept image in seconds, cold in tens of seconds)
     serve_target_s: float | None = None
+    # in `--smoke` (CI's chaos smoke): the handoff's are not (each starts a second copy: 20-60 s
+    # more per fault on the CPU reference); `--faults all` and by name run them
+    smoke: bool = True
 
     def relocate_faults(self) -> dict[str, Any]:
         return {k: (dict(v) if isinstance(v, tuple) else v) for k, v in self.controller_faults}
@@ -124,9 +127,31 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "fails at the end of DUMP (controller fault hook `dump`): the move rolls back, the plan "
           "stops there, every worker serves, and the demand stays pending",
           controller_faults=(("dump", True),), step=StepKind.MAKE_ROOM),
+    # handoff (issue 29): the source is never frozen; the pause before SWITCH keeps the target's
+    # short warm-up window open for the kill (relocator.chaos.injector.handoff_window)
+    Fault("handoff-kill-target-warmup", "RESTORE", ("rolled_back",),
+          "handoff: SIGKILL the target copy (its cell's init) once it has started, while it warms up next "
+          "to the serving source (or in the 2 s pause before SWITCH, still before the router switches); "
+          "the move rolls back, the target's cell is removed, the source serves throughout: no request fails",
+          transfer=TransferMode.HANDOFF, controller_faults=(("pause", (("phase", "SWITCH"), ("s", 2.0))),),
+          smoke=False),
+    Fault("handoff-kill-target-switch", "SWITCH", ("rolled_back", "done"),
+          "handoff: SIGKILL the target copy as the router switches to it (right after the 0.5 s pause "
+          "before SWITCH, when the controller's check of the target has passed: the router's catch-up or "
+          "cut meets a dead copy). Rolled back to the source, which served throughout (or, where the kill "
+          "lands after the check that follows the switch, done and the lost copy replaced); the streams "
+          "cut towards the dead copy continue on the source: no request fails",
+          transfer=TransferMode.HANDOFF, controller_faults=(("pause", (("phase", "SWITCH"), ("s", 0.5))),),
+          smoke=False),
+    Fault("handoff-kill-source-warmup", "RESTORE", ("done", "rolled_back", "failed"),
+          "handoff: SIGKILL the source (its cell's init) while the started target copy warms up (or in the "
+          "2 s pause before SWITCH). The issue's aim: its streams continue on the target from the ids sent, "
+          "as after a node loss; else the worker is lost and replaced. Either way it must end up serving",
+          transfer=TransferMode.HANDOFF, controller_faults=(("pause", (("phase", "SWITCH"), ("s", 2.0))),),
+          serve_target_s=180.0, smoke=False),
 )}
 
-SMOKE_FAULTS = tuple(FAULTS)
+SMOKE_FAULTS = tuple(name for name, f in FAULTS.items() if f.smoke)
 ALL, NONE = ALL_WORDS, NONE_WORDS  # words parse_faults takes for every fault / for none
 
 

@@ -18,6 +18,26 @@ from relocator.chaos.probe import _kill
 from relocator.procs import criu_processes, descendants, process_table
 
 
+#: the phases of a move before its RESTORE (a handoff's target copy starts in RESTORE)
+_BEFORE_RESTORE = ("PLAN", "RESERVE", "HOLD", "DUMP", "TRANSFER")
+
+
+def handoff_window(rel: dict, now: float, pause_s: float) -> str | None:
+    """Where a handoff move is, for a kill while its target copy warms up: "warm-up" (RESTORE,
+    the copy started: its endpoint is recorded), "pause" (SWITCH entered under `pause_s` ago: the
+    controller still waits before the router switches), "over" (too late, or the move ended), or
+    None (not yet: the copy is still starting)."""
+    phase = rel.get("phase")
+    if rel.get("result") != "running":
+        return "over"
+    if phase == "RESTORE":
+        return "warm-up" if rel.get("dst_endpoint") else None
+    if phase == "SWITCH":
+        started = (rel.get("phases") or [{}])[-1].get("started")
+        return "pause" if started and now - float(started) < pause_s - 0.1 else "over"
+    return None if phase in _BEFORE_RESTORE else "over"
+
+
 class Injector:
     """Acts on the real system when the relocation reaches the fault's phase."""
 
@@ -209,6 +229,52 @@ class Injector:
 
         waits.settle(kill, 20, every=0.005)
 
+    def _cell_init(self, node: str, cell: str) -> int | None:
+        try:
+            return int(json.loads((self.view.state_dir(node) / "cells" / cell / "cell.json").read_text())["init_pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _pause_s(self) -> float:
+        return float((self.fault.relocate_faults().get("pause") or {}).get("s", 0.0))
+
+    def _handoff_kill(self, still, side: str) -> None:
+        """Kill the handoff's target (`side` "dst") or source ("src") copy once the target has
+        started and warms up (or in the pause before SWITCH): handoff_window."""
+        pause = self._pause_s()
+
+        def look() -> tuple[dict, str] | None:
+            r = still()
+            where = handoff_window(r, time.time(), pause)
+            return (r, where) if where else None
+
+        found = waits.settle(look, 300, every=0.02)  # a cold target takes a minute or more
+        if not found or found[1] == "over":
+            return
+        r, where = found
+        init = self._cell_init(r[side], r[f"{side}_cell"])
+        if init and _kill(init):
+            self._mark(killed=f"{'target' if side == 'dst' else 'source'} copy", pid=init, window=where)
+
+    def _handoff_kill_target_warmup(self, rel: dict, still) -> None:
+        self._handoff_kill(still, "dst")
+
+    def _handoff_kill_source_warmup(self, rel: dict, still) -> None:
+        self._handoff_kill(still, "src")
+
+    def _handoff_kill_target_switch(self, rel: dict, still) -> None:
+        """The target copy, right after the pause before SWITCH: the controller's check of the
+        target has passed, the router's catch-up and cut are under way."""
+        started = float((rel.get("phases") or [{}])[-1].get("started") or time.time())
+        time.sleep(max(0.0, started + self._pause_s() + 0.05 - time.time()))
+        r = still()
+        if r.get("phase") != "SWITCH" or r.get("result") != "running":
+            return
+        init = self._cell_init(r["dst"], r["dst_cell"])
+        if init and _kill(init):
+            self._mark(killed="target copy", pid=init, window="switch",
+                       after_switch_start_s=round(time.time() - started, 3))
+
     def _kill_controller(self, rel: dict, still) -> None:
         import ray
 
@@ -265,4 +331,7 @@ ACTIONS: dict[str, Callable[[Injector, dict, Callable[[], dict]], None]] = {
     "postcopy-kill-target": Injector._postcopy_kill_target,
     "postcopy-network-cut": Injector._postcopy_network_cut,
     "postcopy-source-loss": Injector._postcopy_source_loss,
+    "handoff-kill-target-warmup": Injector._handoff_kill_target_warmup,
+    "handoff-kill-target-switch": Injector._handoff_kill_target_switch,
+    "handoff-kill-source-warmup": Injector._handoff_kill_source_warmup,
 }

@@ -197,11 +197,17 @@ def _move_record(step: Step, rid: str, worker: dict, dst: str, rel: dict, w: dic
             "serving": serving, "worker_node_alive": node_alive, "settle_s": settle_s}
 
 
+def move_transfer(fault: Any, cfg: ChaosConfig) -> str | None:
+    """A move's transfer mode: its fault's (cut-transfer streams, the handoff's hand off), else the
+    run's `--transfer`, else None (the controller's default)."""
+    return (fault.transfer if fault is not None and fault.transfer else None) or cfg.transfer
+
+
 def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConfig, say,
              view: LocalView | None = None) -> dict[str, Any]:
     fault = FAULTS[step.fault] if step.fault else None
     t_start = time.time()
-    s = ctl.relocate(worker["id"], to=dst, transfer=fault.transfer if fault else None,
+    s = ctl.relocate(worker["id"], to=dst, transfer=move_transfer(fault, cfg),
                      faults=fault.relocate_faults() if fault else None, wait=False)
     rid = s["id"]
     inj = Injector(ctl, base, fault, worker, view) if fault else None

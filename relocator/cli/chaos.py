@@ -13,6 +13,7 @@ from rich.table import Table
 from adapters.base import DEFAULT_ENGINE, Engine
 from relocator.cli import app
 from relocator.cli.common import choice_list, console, handle_errors, print_json, stdout_for_json
+from relocator.vocab import TransferMode
 
 
 def _faults(text: str) -> list[str]:
@@ -79,6 +80,9 @@ def chaos_cmd(duration: float = typer.Option(None, "--duration", help="stop star
               cluster_dir: str = typer.Option(None, "--cluster-dir",
                                               help="a running cluster (else one is started here and stopped after)"),
               engine: Engine = typer.Option(Engine(DEFAULT_ENGINE), "--engine", help="the workers' engine"),
+              transfer: TransferMode = typer.Option(None, "--transfer",
+                                                    help="the moves' transfer mode where their fault forces "
+                                                         "none (default: the controller's)"),
               budget: float = typer.Option(None, "--budget", min=1,
                                            help="whole-run budget in seconds (default 3600 + --duration; smoke 900); "
                                                 "past it the run ends `stalled`"),
@@ -103,6 +107,7 @@ def chaos_cmd(duration: float = typer.Option(None, "--duration", help="stop star
               warm_faults=wf,
               streams=streams,
               workers=workers, seed=seed, png=png, engine=engine.value, run_budget_s=budget,
+              transfer=transfer.value if transfer else None,
               step_budget_s=step_budget,
               cluster_dir=cluster_dir or os.environ.get("RELOCATOR_CLUSTER_DIR") or str(default_dir()))
     if smoke:

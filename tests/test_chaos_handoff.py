@@ -1,0 +1,116 @@
+"""The handoff's chaos faults (issue 29), their plumbing with fakes: each forces a handoff, stays
+out of the smoke, has its injector action, and kills at the right moment (handoff_window: once
+the target copy started, before the router switches)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from relocator.chaos import injector as I
+from relocator.chaos.config import ChaosConfig
+from relocator.chaos.faults import FAULTS, SMOKE_FAULTS, check_outcome, parse_faults
+from relocator.chaos.steps import move_transfer
+from relocator.vocab import TransferMode
+
+HANDOFF_FAULTS = ("handoff-kill-target-warmup", "handoff-kill-target-switch", "handoff-kill-source-warmup")
+
+
+def test_each_handoff_fault_forces_a_handoff_and_is_not_in_the_smoke() -> None:
+    for name in HANDOFF_FAULTS:
+        f = FAULTS[name]
+        assert f.transfer == TransferMode.HANDOFF and name in I.ACTIONS, f
+        assert name not in SMOKE_FAULTS and not f.smoke, f  # CI's smoke has no room for second copies
+        assert f.relocate_faults()["pause"]["phase"] == "SWITCH", f.relocate_faults()  # the window
+        assert parse_faults(name) == [name]
+    assert FAULTS["handoff-kill-target-warmup"].expect == ("rolled_back",)
+    assert not any(FAULTS[n].requests_may_fail for n in HANDOFF_FAULTS)  # the issue: 0 client errors
+
+
+def test_a_moves_transfer_is_its_faults_else_the_runs() -> None:
+    cfg = ChaosConfig(transfer="handoff")
+    assert move_transfer(None, cfg) == "handoff"
+    assert move_transfer(FAULTS["cut-transfer"], cfg) == TransferMode.STREAM  # the fault's own
+    assert move_transfer(FAULTS["flip-byte"], ChaosConfig()) is None  # the controller's default
+    assert move_transfer(FAULTS["handoff-kill-source-warmup"], ChaosConfig()) == TransferMode.HANDOFF
+
+
+@pytest.mark.parametrize("rel, now, want", [
+    ({"phase": "DUMP", "result": "running"}, 0.0, None),
+    ({"phase": "RESTORE", "result": "running", "dst_endpoint": ""}, 0.0, None),  # still starting
+    ({"phase": "RESTORE", "result": "running", "dst_endpoint": "http://n2"}, 0.0, "warm-up"),
+    ({"phase": "SWITCH", "result": "running", "phases": [{"started": 100.0}]}, 101.0, "pause"),
+    ({"phase": "SWITCH", "result": "running", "phases": [{"started": 100.0}]}, 102.5, "over"),  # switching
+    ({"phase": "RELEASE", "result": "running"}, 0.0, "over"),
+    ({"phase": "RESTORE", "result": "rolled_back", "dst_endpoint": "http://n2"}, 0.0, "over"),
+])
+def test_the_handoff_window(rel, now, want) -> None:
+    assert I.handoff_window(rel, now, pause_s=2.0) == want, rel
+
+
+def _injector(tmp_path, fault: str):
+    class View:
+        emulated = False
+
+        def state_dir(self, node):
+            return tmp_path / node
+
+    for node, cell, pid in (("n1", "c1", 111), ("n2", "w1-r1", 222)):
+        d = tmp_path / node / "cells" / cell
+        d.mkdir(parents=True)
+        (d / "cell.json").write_text(json.dumps({"init_pid": pid}))
+    inj = I.Injector(None, tmp_path, FAULTS[fault], {"id": "w1"}, View())
+    return inj
+
+
+@pytest.mark.parametrize("fault, pid", [("handoff-kill-target-warmup", 222), ("handoff-kill-source-warmup", 111)])
+def test_a_warm_up_kill_waits_for_the_started_target_then_kills_its_side(tmp_path, monkeypatch, fault, pid) -> None:
+    kills: list[int] = []
+    monkeypatch.setattr(I, "_kill", lambda p, *a: kills.append(p) or True)
+    inj = _injector(tmp_path, fault)
+    base = {"id": "r1", "src": "n1", "src_cell": "c1", "dst": "n2", "dst_cell": "w1-r1", "result": "running",
+            "phase": "RESTORE"}
+    polls = iter([{**base, "dst_endpoint": ""}] * 3 + [{**base, "dst_endpoint": "http://n2/w1-r1"}])
+    last = {}
+
+    def still():
+        last["rel"] = next(polls, last.get("rel"))
+        return last["rel"]
+
+    inj.act(base, still)
+    assert kills == [pid] and inj.injected and inj.detail["window"] == "warm-up", (kills, inj.detail)
+
+
+def test_a_warm_up_kill_that_comes_too_late_is_not_injected(tmp_path, monkeypatch) -> None:
+    kills: list[int] = []
+    monkeypatch.setattr(I, "_kill", lambda p, *a: kills.append(p) or True)
+    inj = _injector(tmp_path, "handoff-kill-target-warmup")
+    rel = {"id": "r1", "src": "n1", "src_cell": "c1", "dst": "n2", "dst_cell": "w1-r1", "result": "running",
+           "phase": "RELEASE"}
+    inj.act(rel, lambda: rel)
+    assert kills == [] and not inj.injected  # the runner reports it as missed
+
+
+def test_the_switch_kill_lands_after_the_pause(tmp_path, monkeypatch) -> None:
+    kills: list[int] = []
+    monkeypatch.setattr(I, "_kill", lambda p, *a: kills.append(p) or True)
+    slept: list[float] = []
+    monkeypatch.setattr(I.time, "sleep", lambda s: slept.append(s))
+    inj = _injector(tmp_path, "handoff-kill-target-switch")
+    now = I.time.time()
+    rel = {"id": "r1", "src": "n1", "src_cell": "c1", "dst": "n2", "dst_cell": "w1-r1", "result": "running",
+           "phase": "SWITCH", "phases": [{"name": "SWITCH", "started": now}]}
+    inj.act(rel, lambda: rel)
+    assert kills == [222] and inj.detail["window"] == "switch", inj.detail
+    assert slept and 0.4 < slept[0] <= 0.55, slept  # the 0.5 s pause, and a little
+
+
+def test_a_handoff_fault_that_rolled_back_with_failed_requests_is_a_problem() -> None:
+    f = FAULTS["handoff-kill-target-warmup"]
+    out = check_outcome(f, {"result": "rolled_back"}, injected=True, serving=True, serve_again_s=0.0,
+                        failed_requests=2, leaked={})
+    assert not out.ok and any("request(s) failed" in p for p in out.problems), out
+    ok = check_outcome(f, {"result": "rolled_back"}, injected=True, serving=True, serve_again_s=0.0,
+                       failed_requests=0, leaked={})
+    assert ok.ok, ok
