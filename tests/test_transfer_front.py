@@ -547,3 +547,35 @@ def test_the_pump_closes_a_connection_from_another_address_before_tls(tmp_path: 
             conn = p.admit(lst, None, port)
             assert conn is not None and conn.getpeername()[0] == "127.0.0.2", p.refused
             conn.close()
+
+
+@pytest.mark.parametrize("phase, result", [("TRANSFER", "rolled_back"), ("RESTORE", "rolled_back"),
+                                           ("SWITCH", "done"), ("RELEASE", "done")])
+def test_a_controller_restart_mid_post_copy_needs_no_credential(tmp_path: Path, phase: str, result: str) -> None:
+    """The keeper's credential lives in the controller's memory only, from DUMP's reply to
+    RESTORE's call. A controller that restarts in between has lost it, and does not need it:
+    before SWITCH a recovery rolls back (to the frozen source, which runs again; no restore is
+    tried), from SWITCH on the keeper has long connected and the move completes."""
+    from relocator.controller.machine import Machine, SimulatedCrash
+    from relocator.controller.model import Relocation
+    from relocator.controller.transfers import strategy
+    from tests.test_controller_machine import _crash
+    from tests.test_transfer_units import _machine_env, _PostCopyBackend
+
+    be = _PostCopyBackend({})
+    cred = {"id": "cd" * 8, "ca_cert": "CA", "cert": "C", "key": "K"}
+    dump_lazy = be.dump_lazy
+    be.dump_lazy = lambda node, cell, image_dir, **kw: {**dump_lazy(node, cell, image_dir), "credential": cred}
+    store, _ = _machine_env(tmp_path, be)
+    with pytest.raises(SimulatedCrash):
+        Machine(store, be, on_crash=_crash).run(Relocation(id="r1", worker="w1", src="n1", dst="n2",
+                                                           transfer="postcopy", faults={"crash": {"phase": phase}}))
+    strategy("postcopy")._credentials.clear()  # type: ignore[attr-defined]  # the new controller's memory
+    restores = len([c for c in be.calls if c[0] == "restore"])
+    (open_rel,) = store.open_relocations()
+    rel = Machine(store, be).recover(open_rel)
+    assert rel.result == result, (phase, rel.result, rel.error)
+    assert len(be.live()) == 1, f"one live copy after the recovery: {be.live()} ({rel.error})"
+    assert len([c for c in be.calls if c[0] == "restore"]) == restores, "the recovery restored again"
+    want = ("n1", "c1") if result == "rolled_back" else ("n2", "w1-r1")
+    assert be.live() == [want] and store.worker("w1").state == "running", (be.live(), store.worker("w1"))
