@@ -147,6 +147,8 @@ def _measure(ctl, wid: str, dst: str, transfer: str, streams: int, max_tokens: i
         "recomputed_tokens": restore.get("recomputed_tokens", 0),
         "engine_cached_tokens": restore.get("engine_cached_tokens", 0), "source_frozen_s": round(frozen, 4),
         "target_start_s": restore.get("start_s"), "target_warm_start": restore.get("warm"),
+        # handoff: the target's nice while it started, and whether it was set back to 0 after
+        "target_nice": restore.get("target_nice"), "target_normal_priority": restore.get("target_normal_priority"),
         "phase_info": _phase_info(full),
         "tokens_lost": load["tokens_lost"], "tokens_duplicated": load["tokens_duplicated"],
         "tokens_mismatched": load["tokens_mismatched"], "text_mismatched": load["text_mismatched"],
