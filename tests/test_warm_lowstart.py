@@ -103,3 +103,14 @@ def test_the_capture_puts_the_low_priority_back_even_when_it_fails(monkeypatch) 
     assert got == [0, "dump", 19], got
     got.clear()
     assert lowstart.captured_at_normal(FakeCell("c1"), None, lambda: "ok") == "ok" and got == []
+
+
+def test_the_peer_sends_at_nice_19_where_the_copy_is_ahead_of_need_or_the_start_is_niced(monkeypatch) -> None:
+    from relocator.agent import warmcopy
+
+    nice = {"v": 0}
+    monkeypatch.setattr(warmcopy.os, "getpriority", lambda which, who: nice["v"])
+    assert warmcopy.sender_niced(True) is True  # ahead of need: both ends at 19, as before
+    assert warmcopy.sender_niced(False) is False  # a start at normal priority waits for it: full speed
+    nice["v"] = 19  # a start at low priority (a handoff's target) waits for it
+    assert warmcopy.sender_niced(False) is True

@@ -12,6 +12,7 @@ image of its kind on its node fetches it from a peer that has one before startin
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any, Iterator
@@ -78,6 +79,13 @@ def until_cancelled(chunks: Iterator[tuple], stop: threading.Event, what: str) -
         if stop.is_set() or _ray_cancelled():
             raise CopyCancelled(f"{what}: cancelled (a relocation or a start began)")
         yield chunk
+
+
+def sender_niced(background: bool) -> bool:
+    """Whether the peer sends at nice 19: a copy ahead of need, or one this thread waits for at
+    low priority (a handoff's target copy starting beside its serving source, often on the
+    sender's node: relocator.warm.lowstart)."""
+    return background or os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) > 0
 
 
 def peer_nodes(me: str) -> list[str]:
@@ -180,7 +188,7 @@ class WarmCopyOps:
             raise NoWarmImage(f"node {src_node} holds no warm image {key}")
         store.check_room(int(size))
         gen = src.stream_warm.options(num_returns="streaming", _generator_backpressure_num_objects=4).remote(
-            key, chunk_bytes, background)
+            key, chunk_bytes, sender_niced(background))
         staged = store.staging(key)
         with this_thread_niced(19 if background else None):  # hashing 1 GB is CPU
             try:
