@@ -292,14 +292,16 @@ def insecure() -> bool:
 
 
 def bench_plaintext() -> bool:
-    """The bench's switch (ENV_BENCH_PLAINTEXT): this agent's transfers without TLS. An agent
-    checks it where it starts (check_bench_plaintext); its children (keeper, pump, front) follow."""
+    """The bench's switch (ENV_BENCH_PLAINTEXT): this agent's transfers without TLS. The agent's
+    transfer address is checked against it at every transfer (check_bench_plaintext, from
+    relocator.agent.modes.base.transfer_address); its children (keeper, pump, front) follow."""
     return os.environ.get(ENV_BENCH_PLAINTEXT) == "1"
 
 
 def check_bench_plaintext(address: str) -> None:
-    """CredentialsError when the bench's plaintext switch is set on an agent whose transfer
-    address is not in BENCH_NETS (it is for `relocator bench relocation` on one machine only)."""
+    """CredentialsError when the bench's plaintext switch is set and `address` (this node's
+    transfer address) is not in BENCH_NETS: it is for `relocator bench relocation` on one
+    machine only, so on a real network every transfer, and PLAN's probe, fails instead."""
     raw = os.environ.get(ENV_BENCH_PLAINTEXT)
     if raw is None or raw == "":
         return

@@ -66,8 +66,9 @@ def test_a_node_without_credentials_gets_no_plaintext_transfer(tmp_path: Path,
 def test_the_bench_plaintext_switch_is_for_loopback_and_the_emulated_bridge(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """`bench relocation --plaintext-transfers` (RELOCATOR_BENCH_PLAINTEXT_TRANSFERS=1): a node with
-    credentials then transfers in plaintext, to measure what TLS costs; an agent whose transfer
-    address is on a real network refuses to start with it, and a value other than 1 is an error."""
+    credentials then transfers in plaintext, to measure what TLS costs; on a transfer address of
+    a real network every transfer refuses it (the address itself is refused), and a value other
+    than 1 is an error."""
     monkeypatch.setenv(credentials.ENV_DIR, str(credentials.install(
         credentials.for_node(credentials.make_cluster(), "n1"), tmp_path / "creds", export=False)))
     monkeypatch.delenv(credentials.ENV_BENCH_PLAINTEXT, raising=False)
@@ -81,6 +82,13 @@ def test_the_bench_plaintext_switch_is_for_loopback_and_the_emulated_bridge(tmp_
     for bad in ("192.0.2.7", "10.0.0.5", "not-an-ip"):
         with pytest.raises(credentials.CredentialsError, match="bench relocation --plaintext-transfers"):
             credentials.check_bench_plaintext(bad)
+    from relocator.agent.modes.base import transfer_address
+
+    monkeypatch.setenv("RELOCATOR_TRANSFER_ADDRESS", "192.0.2.7")
+    with pytest.raises(credentials.CredentialsError, match="transfer address is 192.0.2.7"):
+        transfer_address()
+    monkeypatch.setenv("RELOCATOR_TRANSFER_ADDRESS", "10.250.0.12")
+    assert transfer_address() == "10.250.0.12"
     monkeypatch.setenv(credentials.ENV_BENCH_PLAINTEXT, "yes")
     with pytest.raises(credentials.CredentialsError, match="only \"1\""):
         credentials.check_bench_plaintext("127.0.0.1")

@@ -43,10 +43,6 @@ class NodeAgent(ModeOps, WarmCopyOps):  # every transfer mode's ops, warm image 
                  credentials: dict[str, str] | None = None) -> None:
         # One agent per process: the cell registry follows RELOCATOR_STATE_DIR.
         os.environ["RELOCATOR_STATE_DIR"] = state_dir
-        from relocator.agent.modes.base import transfer_address
-        from relocator.credentials import check_bench_plaintext
-
-        check_bench_plaintext(transfer_address())  # the bench's plaintext switch: never on a real network
         if credentials:  # beside the state dir, 0600; CRIU, keeper and pump find them by env
             from relocator.credentials import install
 

@@ -12,7 +12,16 @@ from typing import Any
 def transfer_address() -> str:
     """Where this node's page servers listen and its peers connect: RELOCATOR_TRANSFER_ADDRESS,
     else Ray's address of this node (127.0.0.1 on the local cluster, a host's own address on
-    emulated or real hosts), else loopback."""
+    emulated or real hosts), else loopback. Every transfer (and PLAN's transfer_info) asks it:
+    the bench's plaintext switch is refused here on any other network (CredentialsError)."""
+    from relocator.credentials import check_bench_plaintext
+
+    addr = _address()
+    check_bench_plaintext(addr)
+    return addr
+
+
+def _address() -> str:
     addr = os.environ.get("RELOCATOR_TRANSFER_ADDRESS")
     if addr:
         return addr
