@@ -26,7 +26,7 @@ class HandoffBackend(FakeBackend):
         self.prefilled: list[list[int]] = []
         self.stay_on_source = 0  # streams the router kept on the source at SWITCH
         self.catch_ups: list[int] = []  # the router's catch-up rounds asked at each switch call
-        self.nice: list[tuple[str, str, int]] = []  # the copies' priorities, as asked
+        self.nice: list[tuple[str, str, int | None]] = []  # the copies' priorities, as asked
         self.started_at: list[int | None] = []  # each target copy's nice at its start
         self.at_token: list[bool] = []  # each switch call: cut at the streams' next token?
 
@@ -168,7 +168,9 @@ def test_handoff_moves_without_freezing_the_source(env) -> None:
     # the source favoured while the target starts; the target started low, normal before it
     # warms up and serves, and again at RELEASE (never left low)
     assert be.started_at == [TARGET_NICE] and TARGET_NICE > 0
-    assert be.nice == [("n1", "c1", SOURCE_NICE), ("n2", "w1-r1", 0), ("n2", "w1-r1", 0)] and SOURCE_NICE < 0, be.nice
+    # None: normal, the agent's own nice (what every copy it starts has)
+    assert be.nice == [("n1", "c1", SOURCE_NICE), ("n2", "w1-r1", None), ("n2", "w1-r1", None)] \
+        and SOURCE_NICE < 0, be.nice
     prio = [i for i, c in enumerate(be.calls) if c[0] == "prioritize" and c[1] == "n2"]
     assert prio[0] < names.index("prefill") and prio[-1] > names.index("switch"), be.calls
     assert info["target_normal_priority"] is True and rel.phases[-1]["info"]["target_normal_priority"] is True
@@ -184,7 +186,7 @@ def test_a_failure_before_the_switch_removes_only_the_target_copy(env, failing) 
     assert "switch" not in names and "resume" not in names and "hold" not in names and "release" not in names
     assert be.live() == [("n1", "c1")]  # the source served throughout; no target copy left
     assert be.router["w1"] == {"endpoint": "http://a", "held": False}
-    assert be.nice[-1] == ("n1", "c1", 0)  # its priority as before
+    assert be.nice[-1] == ("n1", "c1", None)  # its priority as before (normal)
     assert "relocator-w1-r1" not in be.reserved
     w = store.worker("w1")
     assert (w.node, w.cell_id, w.state) == ("n1", "c1", "running")
@@ -195,7 +197,7 @@ def test_a_switch_that_fails_sets_the_sources_priority_back(env) -> None:
     be.fail["switch"] = RuntimeError("router unreachable")
     rel = _run(store, be)
     assert rel.result == ROLLED_BACK, rel.error
-    assert be.nice[0] == ("n1", "c1", SOURCE_NICE) and be.nice[-1] == ("n1", "c1", 0), be.nice
+    assert be.nice[0] == ("n1", "c1", SOURCE_NICE) and be.nice[-1] == ("n1", "c1", None), be.nice
     w = store.worker("w1")
     assert (w.node, w.cell_id, w.state) == ("n1", "c1", "running")
 
@@ -258,4 +260,4 @@ def test_a_target_whose_priority_cannot_be_set_back_still_moves_and_it_is_retrie
     restore = rel.phases[[p["name"] for p in rel.phases].index("RESTORE")]["info"]
     assert restore["target_normal_priority"] is False, restore
     assert rel.phases[-1]["info"]["target_normal_priority"] is True, rel.phases[-1]
-    assert be.nice[-1] == ("n2", "w1-r1", 0), be.nice  # the serving copy at normal priority
+    assert be.nice[-1] == ("n2", "w1-r1", None), be.nice  # the serving copy at normal priority

@@ -34,6 +34,7 @@ def niced(monkeypatch):
 
     monkeypatch.setattr(L, "renice", renice)
     monkeypatch.setattr(lowstart, "renice", renice)  # captured_at_normal's
+    monkeypatch.setattr(lowstart, "normal_nice", lambda: 15)  # the agent's (Ray's workers: 15)
     return seen
 
 
@@ -58,8 +59,9 @@ def test_a_cold_start_at_low_priority_is_captured_at_normal_priority(fakes, nice
     monkeypatch.setattr(L.WarmStarts, "capture", lambda self, cfg, cell: niced.append(("capture",)) or {"dumped": True})
     _, _, warm = L.WarmStarts("n1", "/nonexistent").start(None, "vllm", "w1-r1", None, 10, nice=19)
     assert warm["how"] == "cold" and warm["capture"] == {"dumped": True}, warm
-    # the engine niced from its launch; the image dumped at 0 (CRIU keeps each thread's nice)
-    assert niced == [("start", 19), ("cell", "w1-r1", 19), ("cell", "w1-r1", 0), ("capture",),
+    # the engine niced from its launch; the image dumped at the agent's nice (CRIU keeps each
+    # thread's nice in the image)
+    assert niced == [("start", 19), ("cell", "w1-r1", 19), ("cell", "w1-r1", 15), ("capture",),
                      ("cell", "w1-r1", 19), ("end", 19)], niced
 
 
@@ -93,6 +95,7 @@ def test_renice_sets_every_thread_of_the_tree_and_never_raises(monkeypatch) -> N
 def test_the_capture_puts_the_low_priority_back_even_when_it_fails(monkeypatch) -> None:
     got: list = []
     monkeypatch.setattr(lowstart, "renice", lambda cell, nice: got.append(nice))
+    monkeypatch.setattr(lowstart, "normal_nice", lambda: 15)
 
     def capture():
         got.append("dump")
@@ -100,7 +103,7 @@ def test_the_capture_puts_the_low_priority_back_even_when_it_fails(monkeypatch) 
 
     with pytest.raises(RuntimeError):
         lowstart.captured_at_normal(FakeCell("c1"), 19, capture)
-    assert got == [0, "dump", 19], got
+    assert got == [15, "dump", 19], got
     got.clear()
     assert lowstart.captured_at_normal(FakeCell("c1"), None, lambda: "ok") == "ok" and got == []
 
@@ -114,3 +117,9 @@ def test_the_peer_sends_at_nice_19_where_the_copy_is_ahead_of_need_or_the_start_
     assert warmcopy.sender_niced(False) is False  # a start at normal priority waits for it: full speed
     nice["v"] = 19  # a start at low priority (a handoff's target) waits for it
     assert warmcopy.sender_niced(False) is True
+
+
+def test_normal_is_this_processs_own_nice_not_0() -> None:
+    import os
+
+    assert lowstart.normal_nice() == os.getpriority(os.PRIO_PROCESS, os.getpid())

@@ -6,11 +6,12 @@ The start runs with its thread at `nice` (the CRIU restore or the cold engine it
 it); a restored tree is niced again once it exists (CRIU puts back each thread's own nice from
 the image); a cold copy is at normal priority only while its warm image is captured (an image
 must never carry the low priority into the next start). The controller sets the copy back to
-normal at SWITCH (relocator.controller.transfers.handoff.to_normal)."""
+normal once it has started (relocator.controller.transfers.handoff.to_normal): normal_nice."""
 
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -18,6 +19,12 @@ from relocator import procs
 
 log = logging.getLogger("relocator.warm")
 T = TypeVar("T")
+
+
+def normal_nice() -> int:
+    """The nice a copy started here has when nothing lowers it: this process's own (the agent's:
+    Ray starts its workers at nice 15, and every cell inherits it), not 0."""
+    return os.getpriority(os.PRIO_PROCESS, os.getpid())
 
 
 def renice(cell: Any, nice: int | None) -> int:
@@ -40,15 +47,16 @@ def niced_start(nice: int | None) -> Iterator[None]:
 
 
 def captured_at_normal(cell: Any, nice: int | None, capture: Callable[[], T]) -> T:
-    """`capture()` (the warm image of a cold copy) with `cell` at nice 0, then back at `nice`:
-    CRIU keeps each thread's nice in the image, and every later start from it would inherit it."""
+    """`capture()` (the warm image of a cold copy) with `cell` at normal priority (normal_nice),
+    then back at `nice`: CRIU keeps each thread's nice in the image, and every later start from it
+    would inherit it."""
     if nice is None:
         return capture()
-    renice(cell, 0)
+    renice(cell, normal_nice())
     try:
         return capture()
     finally:
         renice(cell, nice)
 
 
-__all__ = ["captured_at_normal", "niced_start", "renice"]
+__all__ = ["captured_at_normal", "niced_start", "normal_nice", "renice"]

@@ -45,13 +45,15 @@ def prefill_one(endpoint: str, model: str, ids: list[int]) -> int:
 
 
 class HandoffOps(ModeBase):
-    def prioritize(self, cell_id: str, nice: int) -> int:
+    def prioritize(self, cell_id: str, nice: int | None) -> int:
         """Give the cell's every thread the nice value `nice` (a handoff's source, favoured over
-        the target copy starting next to it; 0 again on a rollback); the threads changed."""
+        the target copy starting next to it); None: normal again, this agent's own nice, what
+        every copy it starts has (Ray's workers run at 15, not 0); the threads changed."""
         from relocator import procs
         from relocator.cell.cell import load_cell
+        from relocator.warm.lowstart import normal_nice
 
-        return procs.set_nice(load_cell(cell_id).pids(), nice)
+        return procs.set_nice(load_cell(cell_id).pids(), normal_nice() if nice is None else nice)
 
     def prefill(self, endpoint: str, model: str, sequences: list[list[int]]) -> dict[str, Any]:
         """Prefill every token sequence on the copy at `endpoint` (this node's), all at once (the

@@ -45,7 +45,8 @@ SOURCE_NICE = -10
 #: source took the CPU from the source, the router and the clients: the move's longest gap fell
 #: there); nice 19, not SCHED_IDLE: a copy starved outright would miss its ready wait. Normal
 #: again for the warm-up: at 19 beside a busy source its prefills would barely run, the source
-#: would run ahead round after round, and the switch would recompute it all
+#: would run ahead round after round, and the switch would recompute it all. (Normal is the
+#: agent's nice: Ray starts its workers, so every cell, at 15; the router and clients run at 0.)
 TARGET_NICE = 19
 #: how long streams that cannot be continued exactly may finish on the source after SWITCH
 #: (the default of config controller.handoff_window_s)
@@ -62,7 +63,8 @@ class HandoffCalls:
         return self.agents.launch(node, cell_id, worker.model_dir, worker.model,  # type: ignore[attr-defined]
                                   engine=worker.engine, gpu_ids=gpu_ids, extra=engine_extra(worker.gpus), nice=nice)
 
-    def prioritize(self, node: str, cell_id: str, nice: int) -> int:
+    def prioritize(self, node: str, cell_id: str, nice: int | None) -> int:
+        """The cell's threads at `nice`; None: normal (the agent's own nice, what its copies get)."""
         return self.agents.call(node, lambda a: a.prioritize.remote(cell_id, nice),  # type: ignore[attr-defined]
                                 "prioritize", timeout=30)
 
@@ -132,20 +134,21 @@ def warm_up(backend: Any, rel: "Relocation", worker: "WorkerRecord", rounds: int
     return w.figures(time.monotonic() - t0)
 
 
-def favour(backend: Any, rel: "Relocation", nice: int) -> None:
-    """The source's threads at `nice` (best effort: a move never fails for it)."""
+def favour(backend: Any, rel: "Relocation", nice: int | None) -> None:
+    """The source's threads at `nice`, None: normal again (best effort: a move never fails for it)."""
     try:
         backend.prioritize(rel.src, rel.src_cell, nice)
     except Exception as exc:  # noqa: BLE001
-        log.warning("handoff %s: source priority not set to %d: %s", rel.id, nice, exc)
+        log.warning("handoff %s: source priority not set to %s: %s", rel.id, nice, exc)
 
 
 def to_normal(backend: Any, rel: "Relocation", tries: int = 2) -> bool:
-    """The target copy back at normal priority (it serves from SWITCH on); whether it is. Never
-    raises: a copy left at nice 19 serves slowly, a failed move for it would be worse (logged)."""
+    """The target copy back at normal priority, the nice every copy its agent starts has (it
+    serves from SWITCH on); whether it is. Never raises: a copy left at nice 19 serves slowly, a
+    failed move for it would be worse (logged)."""
     for attempt in range(1, tries + 1):
         try:
-            backend.prioritize(rel.dst, rel.dst_cell, 0)
+            backend.prioritize(rel.dst, rel.dst_cell, None)
             return True
         except Exception as exc:  # noqa: BLE001
             log.warning("handoff %s: target copy %s not set back to normal priority (try %d of %d): %s",
@@ -212,7 +215,7 @@ class HandoffTransfer(TransferStrategy):
             start["target_normal_priority"] = to_normal(ctx.backend, rel)  # it warms up, then serves
             warm = warm_up(ctx.backend, rel, worker)
         except BaseException:
-            favour(ctx.backend, rel, 0)  # rolled back: the source serves on as before
+            favour(ctx.backend, rel, None)  # rolled back: the source serves on as before
             raise
         return {**info, **start, **warm, "source_frozen_s": 0.0, "source_nice": SOURCE_NICE,
                 "target_nice": TARGET_NICE}
@@ -224,7 +227,7 @@ class HandoffTransfer(TransferStrategy):
             return ctx.backend.handoff_switch(worker.id, rel.dst_endpoint, keep_inexact=True,
                                               catch_up_rounds=CATCH_UP_ROUNDS, at_token=True)
         except BaseException:
-            favour(ctx.backend, rel, 0)  # it may roll back: the source serves on as before
+            favour(ctx.backend, rel, None)  # it may roll back: the source serves on as before
             raise
 
     def release(self, ctx: Context, rel: "Relocation") -> dict[str, Any]:
