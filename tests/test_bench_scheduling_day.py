@@ -177,12 +177,14 @@ def test_the_timeline_places_a_launchs_events_on_the_days_clock():
     day.t0, day.t0_wall = 100.0, 5000.0
     o = day.out["a"]
     o.requested, o.served = 102.0, 110.0
+    day.stopped["b1"] = 104.0  # a scripted stop gives capacity back: on the timeline too
     ev = [{"kind": "worker_started", "worker": "a", "how": "warm", "seconds": 1.5, "ts": 5009.0, "capture": {}},
           {"kind": "worker_started", "worker": "c", "how": "cold", "ts": 5003.0},
           {"kind": "relocation_finished", "worker": "b1", "result": "done", "ts": 5006.0,
            "phases": {"dump": 1.0, "restore": 0.5}}]
     tl = day.timeline(ev)
     assert [(e["t"], e["kind"], e["worker"]) for e in tl] == [
-        (1.0, "requested", "a"), (3.0, "relocation_finished", "b1"), (4.5, "worker_started", "a"),
+        (1.0, "requested", "a"), (2.0, "stopped", "b1"), (3.0, "relocation_finished", "b1"),
+        (4.5, "worker_started", "a"),
         (5.0, "serving", "a")], tl
-    assert tl[1]["phases"] == {"dump": 1.0, "restore": 0.5} and "capture" not in tl[2], tl
+    assert tl[2]["phases"] == {"dump": 1.0, "restore": 0.5} and "capture" not in tl[3], tl

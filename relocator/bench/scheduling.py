@@ -96,7 +96,7 @@ ARMS = (PreemptionRule.PLACE_OR_WAIT.value, PreemptionRule.EVICT_REQUEUE.value,
 SAMPLE_S = 1.0  # how often the idle-GPU sampler reads the controller (seconds of the day)
 #: the controller's events an arm reads after its day: its figures' and its timeline's
 EVENT_KINDS = ("worker_suspended", "relocation_finished", "worker_resumed", "worker_evicted", "worker_started",
-               "room_planned", "worker_preemptible", "warm_image_copied", "warm_copy_deferred")
+               "room_planned", "worker_preemptible", "warm_image_copied", "warm_copy_deferred", "demand_placed")
 #: the fields a timeline entry keeps (the rest of an event is left out to keep the JSON short)
 TIMELINE_FIELDS = ("worker", "worker_id", "node", "src", "dst", "demand", "how", "reason", "result", "seconds",
                    "by", "in_place", "moves", "suspends", "copied", "key")
@@ -159,6 +159,7 @@ class Day:
         self.out = {s.id: Outcome(s) for s in day}
         self.samples: list[tuple[float, int, bool]] = []
         self.stops: list[tuple[float, float]] = []  # scripted stops' calls (monotonic)
+        self.stopped: dict[str, float] = {}  # worker -> when its scripted stop returned (monotonic)
         self._stop = threading.Event()
 
     def now(self) -> float:
@@ -212,6 +213,7 @@ class Day:
         try:
             self.ctl.stop_worker(wid)
             self.stops.append((t, time.monotonic()))
+            self.stopped[wid] = time.monotonic()
         except KeyError:  # never launched (or its pending demand is gone)
             pass
         except RuntimeError:  # busy (a move, a suspend, a resume): again in a moment
@@ -323,8 +325,10 @@ class Day:
                 if o.served is not None:
                     out.append({"t": round((o.served - self.t0) / self.scale, 2), "kind": "serving",
                                 "worker": o.step.id, "wait_s": round((o.served - o.requested) / self.scale, 2)})
+        for wid, t in self.stopped.items():  # capacity given back (every worker's, not only theirs)
+            out.append({"t": round((t - self.t0) / self.scale, 2), "kind": "stopped", "worker": wid})
         for e in events:
-            if e["kind"] == "worker_started" and (e.get("worker") or e.get("worker_id")) not in multi:
+            if e["kind"] in ("worker_started", "demand_placed") and (e.get("worker") or e.get("worker_id")) not in multi:
                 continue  # a 1-GPU start (a resume's fallback, a requeue) is its own wait, not theirs
             entry = {"t": round((float(e.get("ts", 0.0)) - self.t0_wall) / self.scale, 2), "kind": e["kind"]}
             entry.update({k: e[k] for k in TIMELINE_FIELDS if e.get(k) not in (None, "", [], {})})
