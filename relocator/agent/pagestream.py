@@ -149,6 +149,7 @@ class PageReceiver:
 
         if credentials.tls_files() is None:  # CredentialsError without any
             self.proc, self.port = criu.page_server(self.image_dir, self.address)
+            self.link = "tcp"  # plaintext (the by-hand opt-out, the bench's switch): said in TRANSFER's info
             return
         self.move = credentials.make_move()
         ours, criu_end = socket.socketpair()
