@@ -196,11 +196,13 @@ class DemandManager:
 
     # -- seating ----------------------------------------------------------------------------------
     def seat(self, demand: Demand, make_room: bool = True, dry_run: bool = False, queue: bool = True,
-             faults: dict | None = None, stored: bool = False) -> dict:
+             faults: dict | None = None, stored: bool = False, start_later: bool = False) -> dict:
         """Plan and seat one demand: moves and suspends first (one seating at a time), the GPUs
         reserved, then the worker started (a cold launch or a restore) outside the lock.
         `stored`: a pending demand taken from the store, which may have been cancelled while
-        this waited for the seating lock (it is then left alone)."""
+        this waited for the seating lock (it is then left alone). `start_later`: the start runs
+        on a thread of its own (`spawn`) and this returns once the GPUs are claimed
+        ({"state": "starting"})."""
         t0 = time.monotonic()
         with self.claims.seating:
             if stored:
@@ -218,9 +220,22 @@ class DemandManager:
             return out
         claimed, seating = out
         extra = {"moves": [m.to_dict() for m in seating.moves], "suspended": seating.suspends}
-        if demand.kind is DemandKind.LAUNCH:
-            return self.seaters.start(claimed, demand, t0, extra)
-        return self.seaters.restore(claimed, demand, t0, extra)
+        go = self.seaters.start if demand.kind is DemandKind.LAUNCH else self.seaters.restore
+        if start_later:
+            self.spawn(self._start, (demand.id, lambda: go(claimed, demand, t0, extra)))
+            return {"id": demand.id, "state": "starting", "node": claimed.node, **extra}
+        return go(claimed, demand, t0, extra)
+
+    def _start(self, job: tuple[str, Callable[[], dict]]) -> None:
+        """A claimed demand's start (launch or restore), off the retry thread; a failure is
+        logged (the start cleaned up after itself), and either way the loop plans again."""
+        demand_id, go = job
+        try:
+            go()
+        except Exception as exc:  # noqa: BLE001 - one start failing never stops the others
+            log.warning("demand %s: %s", demand_id, exc)
+        finally:
+            self.claims.wake.set()
 
     def _plan_and_claim(self, demand: Demand, make_room: bool, dry_run: bool, queue: bool,
                         faults: dict | None) -> dict | tuple[WorkerRecord, Seating]:
@@ -317,13 +332,16 @@ class DemandManager:
         self.spawn(self._retry, todo)
 
     def _retry(self, todo: list[Demand]) -> None:
+        # a seated demand starts on its own thread: the next one (on other GPUs) is planned at
+        # once, not after this one's start (a warm restore takes seconds, a cold vLLM start a
+        # minute: a 4-GPU launch whose node just freed waited behind a 2-GPU one's start)
         try:
             for d in sorted(todo, key=lambda d: (-d.priority, d.since)):
                 cur = self.store.demand(d.id)
                 if cur is None or cur.state != DemandState.PENDING or cur.id in self.claims.placing:
                     continue
                 try:
-                    out = self.seat(cur, make_room=True, queue=True, stored=True)
+                    out = self.seat(cur, make_room=True, queue=True, stored=True, start_later=True)
                 except Exception as exc:  # noqa: BLE001 - one demand failing never stops the others
                     log.warning("demand %s: %s", d.id, exc)
                     continue
