@@ -149,6 +149,8 @@ def _measure(ctl, wid: str, dst: str, transfer: str, streams: int, max_tokens: i
         "target_start_s": restore.get("start_s"), "target_warm_start": restore.get("warm"),
         # handoff: the target's nice while it started, and whether it was set back to 0 after
         "target_nice": restore.get("target_nice"), "target_normal_priority": restore.get("target_normal_priority"),
+        # the on-demand copy of the warm image that began the target's start (None: none needed)
+        "target_copy_s": (restore.get("start_copy") or {}).get("seconds"),
         "phase_info": _phase_info(full),
         "tokens_lost": load["tokens_lost"], "tokens_duplicated": load["tokens_duplicated"],
         "tokens_mismatched": load["tokens_mismatched"], "text_mismatched": load["text_mismatched"],
