@@ -4,10 +4,11 @@
 # CUDA graph, a KV pool), the router in front, 8 greedy streams through it, and three moves
 # compared token by token with an unmoved run: freeze and copy (cuda-checkpoint + CRIU, the
 # source checked stopped until RELEASE), the same with the free KV pool left out of the image,
-# and a handoff (a second copy, then SWITCH); then, on CUDA (or with GPU_CHECK_WARM=1), a warm
-# capture of the last copy with the engine's pool released around cuda-checkpoint
-# (relocator/warm/sleep.py) and a copy restored from it. --device cpu runs the same steps
-# without a GPU.
+# then a warm capture of that copy with the engine's pool released around cuda-checkpoint
+# (relocator/warm/sleep.py) and a copy restored from it, and a handoff to that warm copy (two
+# cells on the one device: the controller's warm-up, SWITCH at a token, the source never
+# stopped). GPU_CHECK_WARM=0: no warm capture, the handoff's target starts cold. --device cpu runs
+# the same steps without a GPU.
 #
 # Nothing is fetched at run time. On a bare GPU machine pass the bundle that
 # scripts/gpu-bundle.sh built: DIR/bin goes first on PATH (criu, ip, iptables, cuda-checkpoint),

@@ -10,14 +10,19 @@ with an unmoved run of the same prompts:
      and cuda-checkpoint's "checkpointed" on CUDA) after DUMP, after RESTORE and before RELEASE;
   2. the same from that copy with its free KV pool released before DUMP (reserved again after
      RESTORE), so the image leaves it out;
-  3. a handoff (make before break): a second copy started cold on the same device while the
-     source serves, then SWITCH and RELEASE; the source is never frozen;
-then (on CUDA, or with GPU_CHECK_WARM=1) a warm capture of the last copy as the agent takes one
-(the engine asleep around cuda-checkpoint on a GPU: relocator/warm/sleep.py) and a copy restored
-from it, woken, both answering the first prompt exactly.
+  then a warm capture of that copy as the agent takes one (the engine asleep around
+  cuda-checkpoint on a GPU: relocator/warm/sleep.py) and a copy restored from it, woken, both
+  answering the first prompt exactly (GPU_CHECK_WARM=0 leaves it out);
+  3. a handoff (make before break) from that copy to the warm copy, two cells on the one device,
+     as relocator/controller/transfers/handoff.py runs it: the source's threads favoured (nice
+     -10), the controller's warm-up rounds (`warm_up`: the router's streams in flight prefilled on
+     the target through the agent's prefill op), SWITCH with the router's catch-up and the cut at
+     a token boundary, RELEASE once no stream reads from the source; the source is never frozen
+     (checked running before and after SWITCH). Without a warm copy the target starts cold.
 No Ray and no controller: the phases are run in order here with the parts the controller's
-machine calls (relocator.snapshot, relocator.worker, the router's control API). One JSON object
-on stdout (`run` returns it)."""
+machine calls (relocator.snapshot, relocator.warm, relocator.worker, the router's control API,
+the handoff's warm-up and release checks with a local stand-in for its Ray calls). One JSON
+object on stdout (`run` returns it)."""
 
 from __future__ import annotations
 
@@ -108,9 +113,9 @@ class Check:
 
         #: the reference engine's (sleep, wake): its pool released and reserved
         self.pool_calls = get_adapter("reference").sleep_calls(spec_to_dict(self.spec))
-        #: a warm capture of the last copy (asleep on CUDA), then a copy restored from it:
-        #: GPU_CHECK_WARM=1|0, default on CUDA only (CI's --device cpu run stays as it was)
-        self.warm = os.environ.get("GPU_CHECK_WARM", "1" if device == "cuda" else "0") == "1"
+        #: a warm capture of the serving copy (asleep on CUDA), then a copy restored from it, the
+        #: handoff's target: GPU_CHECK_WARM=1|0, default on (0: the handoff's target starts cold)
+        self.warm = os.environ.get("GPU_CHECK_WARM", "1") == "1"
         self.cells: list[Any] = []
         self.router: subprocess.Popen | None = None
         self.R: dict[str, Any] = {"device": device, "host_gpus": [vars(g) for g in gpus],
@@ -228,11 +233,11 @@ async def freeze_and_copy(ck: Check, rc: RouterControl, base: str, src: Any, dro
     return m, dst
 
 
-async def warm_capture(ck: Check, src: Any, base_ids: list[int]) -> dict[str, Any]:
+async def warm_capture(ck: Check, src: Any, base_ids: list[int]) -> tuple[dict[str, Any], Any]:
     """A warm image of the serving worker taken as the agent takes one (relocator/warm/capture.py:
     on a GPU the engine asleep around cuda-checkpoint, so its pool is not in the image), then a
     copy restored from it as a warm start does (woken before use). Both must answer the first
-    prompt exactly as the unmoved run did."""
+    prompt exactly as the unmoved run did. (figures, the copy): the copy is the handoff's target."""
     from relocator.snapshot.manifest import read_manifest
     from relocator.warm.capture import capture
     from relocator.warm.start import restore_warm
@@ -254,8 +259,7 @@ async def warm_capture(ck: Check, src: Any, base_ids: list[int]) -> dict[str, An
     m["device_check"] = await ck.device_call(copy, "check")
     m["copy_exact"] = await stream(copy.endpoint, PROMPTS[0], ck.tokens, []) == base_ids
     m["ok"] = m["source_exact_after"] and m["copy_exact"] and m["asleep"] == (ck.device == "cuda")
-    copy.kill()
-    return m
+    return m, copy
 
 
 def _cuda_rates(m: dict) -> None:
@@ -265,23 +269,88 @@ def _cuda_rates(m: dict) -> None:
     m["cuda_restore_GBps"] = round(dev / 1e9 / m["restore_s"], 3) if m["restore_s"] else None  # criu + cuda
 
 
-async def handoff(ck: Check, rc: RouterControl, base: str, src: Any) -> tuple[dict, Any]:
-    """Make before break: a second copy on the same device while `src` serves, then SWITCH."""
+class LocalCalls:
+    """The handoff's calls that the controller makes through Ray (HandoffCalls: prioritize,
+    router_streams, prefill), made here in this process: the agent's ops on this machine's cells
+    and the router's control API. `warm_up`, `favour` and `on_source` run on it unchanged."""
+
+    def __init__(self, control: str, cells: dict[str, Any]) -> None:
+        from relocator.agent.modes.handoff import HandoffOps
+        from relocator.router.client import RouterControlSync
+
+        self.rc, self.ops, self.cells = RouterControlSync(control), HandoffOps(), cells
+
+    def prioritize(self, node: str, cell_id: str, nice: int) -> int:
+        from relocator import procs
+
+        return procs.set_nice(self.cells[cell_id].pids(), nice)
+
+    def router_streams(self, worker_id: str) -> list[dict]:
+        return self.rc.streams(worker_id)
+
+    def prefill(self, node: str, endpoint: str, model: str, sequences: list[list[int]]) -> dict:
+        return self.ops.prefill(endpoint, model, sequences)
+
+
+def warmup_plan(prefix_cache: bool) -> dict[str, Any]:
+    """The controller's warm-up rounds and the router's catch-up rounds for a handoff to a copy
+    whose engine keeps a prefix cache or not. Without one (the reference engine) a prefill is a whole
+    recompute, one token a step as the source decodes one, so each round's sequences are about
+    twice the last and the source always runs ahead (measured on CPU: 3 rounds in 0.61 s, the 8
+    streams of 64 tokens over before SWITCH, 0 moved): one round, which runs the warm-up's calls,
+    and no catch-up."""
+    from relocator.controller.transfers.handoff import CATCH_UP_ROUNDS, MAX_ROUNDS
+
+    if prefix_cache:
+        return {"rounds": MAX_ROUNDS, "catch_up_rounds": CATCH_UP_ROUNDS, "why": "as the controller"}
+    return {"rounds": 1, "catch_up_rounds": 0,
+            "why": "no prefix cache: a prefill recomputes, the source runs ahead of every round"}
+
+
+async def start_cold(ck: Check, why: str) -> tuple[Any, dict[str, Any]]:
+    """The handoff's target without a warm image: a cold launch, as the agent's launch then does."""
+    t = time.monotonic()
+    dst = ck.launch()
+    ready = await ck.ready(dst)
+    return dst, {"warm": False, "start_why": why, "target_ready_s": ready, "start_s": round(time.monotonic() - t, 3)}
+
+
+async def handoff(ck: Check, rc: RouterControl, control: str, base: str, src: Any,
+                  dst: Any, start: dict[str, Any]) -> tuple[dict, Any]:
+    """Make before break from `src` to `dst`, a second copy already serving on the same device
+    (`start`: how it started), as HandoffTransfer's RESTORE (after the start), SWITCH and RELEASE
+    run: the source's threads favoured, the controller's warm-up rounds under the streams, the
+    router's switch with its catch-up and the cut after a token, RELEASE once no stream reads
+    from the source. The streams begin once the target serves: the tiny model's streams are
+    shorter than a start, and those in flight at SWITCH are what the move proves."""
+    from relocator.controller.transfers.handoff import SOURCE_NICE, WINDOW_S, favour, on_source, warm_up
+    from types import SimpleNamespace
+
+    calls = LocalCalls(control, {src.id: src})
+    rel = SimpleNamespace(id="gpu-check", worker=WORKER, src="local", src_cell=src.id, src_endpoint=src.endpoint,
+                          dst="local", dst_endpoint=dst.endpoint)
+    plan = warmup_plan(prefix_cache=False)  # the reference engine keeps none
+    m: dict[str, Any] = {"transfer": "handoff", **start, "warmup_plan": plan}
+    favour(calls, rel, SOURCE_NICE)
     gaps: list[float] = []
-    m: dict[str, Any] = {"transfer": "handoff"}
+    running = [not src.is_stopped()]
+    run = ck.start_streams(base, gaps)
+    m["streams_in_flight_at_warmup"] = await ck.in_flight(rc)
+    m["warmup"] = await asyncio.to_thread(warm_up, calls, rel, SimpleNamespace(id=WORKER, model=MODEL), plan["rounds"])
+    running.append(not src.is_stopped())
     t = time.monotonic()
-    dst = ck.launch()  # starting while the source serves; the streams begin meanwhile, so that
-    run = ck.start_streams(base, gaps)  # they are still in flight at SWITCH (a short run's
-    m["streams_in_flight_at_start"] = await ck.in_flight(rc)  # streams outlast no cold start)
-    m["target_ready_s"] = await ck.ready(dst)
-    m["start_s"] = round(time.monotonic() - t, 3)
-    t = time.monotonic()
-    m["switch"] = {k: v for k, v in (await rc.switch(WORKER, dst.endpoint, keep_inexact=True)).items()
-                   if k != "streams"}
+    m["switch"] = {k: v for k, v in (await rc.switch(WORKER, dst.endpoint, keep_inexact=True, at_token=True,
+                                                    catch_up_rounds=plan["catch_up_rounds"])).items() if k != "streams"}
     m["blackout_s"] = round(time.monotonic() - t, 3)
+    running.append(not src.is_stopped())
+    t = time.monotonic()  # RELEASE: greedy streams are exact, none is kept on the source
+    m["left_on_source"] = 0 if await asyncio.to_thread(
+        waits.settle, lambda: on_source(calls, rel) == 0, WINDOW_S, 0.1) else on_source(calls, rel)
+    m["release_wait_s"] = round(time.monotonic() - t, 3)
     m["source_frozen_s"] = 0.0
+    m["source_never_stopped"] = all(running)
     m["result"] = await run
-    src.kill()  # RELEASE: every stream was exact (greedy), none stayed on the source
+    src.kill()
     m["max_token_gap_s"] = round(max(gaps, default=0.0), 3)
     return m, dst
 
@@ -292,21 +361,44 @@ async def moves(ck: Check) -> None:
     R["ready_s"] = await ck.ready(src)
     R["device_check"] = await ck.device_call(src, "check")
     gaps: list[float] = []
+    t = time.monotonic()
     base_tokens = await asyncio.gather(*(stream(src.endpoint, p, ck.tokens, gaps) for p in PROMPTS))
+    R["step_s"] = {"unmoved": round(time.monotonic() - t, 3)}
     R["stage"] = "router"
     base, control = ck.start_router()
     async with RouterControl(control) as rc:
         await rc.add_replica(WORKER, MODEL, src.endpoint, tokenizer=str(ck.model), engine="reference")
-        for name, move in (("pool_in_image", lambda s: freeze_and_copy(ck, rc, base, s, False)),
-                           ("pool_left_out", lambda s: freeze_and_copy(ck, rc, base, s, True)),
-                           ("handoff", lambda s: handoff(ck, rc, base, s))):
-            R["stage"] = name
-            m, src = await move(src)
+        for name, drop in (("pool_in_image", False), ("pool_left_out", True)):
+            R["stage"], t = name, time.monotonic()
+            m, src = await freeze_and_copy(ck, rc, base, src, drop)
             m.update(compare(base_tokens, m.pop("result")))
-            R["moves"][name] = m
-    if ck.warm:
-        R["stage"] = "warm_capture"
-        R["warm_capture"] = await warm_capture(ck, src, base_tokens[0])
+            R["moves"][name], R["step_s"][name] = m, round(time.monotonic() - t, 3)
+        dst, start = None, {}
+        if ck.warm:
+            R["stage"], t = "warm_capture", time.monotonic()
+            try:
+                R["warm_capture"], dst = await warm_capture(ck, src, base_tokens[0])
+                start = {"warm": True, "start_why": "the warm image of the warm capture",
+                         "start_s": R["warm_capture"]["restore_s"]}
+            except Exception as exc:  # noqa: BLE001 - as a launch does: the handoff starts cold
+                R["warm_capture"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            R["step_s"]["warm_capture"] = round(time.monotonic() - t, 3)
+        R["stage"], t = "handoff", time.monotonic()
+        if dst is None:
+            dst, start = await start_cold(ck, R.get("warm_capture", {}).get("error") or "GPU_CHECK_WARM=0")
+        m, src = await handoff(ck, rc, control, base, src, dst, start)
+        m.update(compare(base_tokens, m.pop("result")))
+        R["moves"]["handoff"], R["step_s"]["handoff"] = m, round(time.monotonic() - t, 3)
+
+
+def handoff_ok(m: dict[str, Any], warm_asked: bool) -> bool:
+    """The handoff was make-before-break and exact: every stream identical to the unmoved run,
+    none left on the source, the source never stopped, and the target started warm when a warm
+    capture was asked for (its moved streams are reported, not required: with the tiny model's
+    short streams, how many are still in flight at SWITCH is a matter of speed)."""
+    return (bool(m) and not any(m.get(k, 1) for k in ("tokens_lost", "tokens_dup", "tokens_mismatched", "client_errors"))
+            and m.get("left_on_source") == 0 and m.get("source_frozen_s") == 0.0
+            and m.get("source_never_stopped") is True and (m.get("warm") is True or not warm_asked))
 
 
 def summary(R: dict) -> None:
@@ -319,6 +411,10 @@ def summary(R: dict) -> None:
               "image_bytes": a.get("image_bytes"), "image_bytes_no_kv_pool": b.get("image_bytes"),
               "blackout_s": a.get("blackout_s"), "blackout_s_no_kv_pool": b.get("blackout_s"),
               "handoff_blackout_s": mv.get("handoff", {}).get("blackout_s")})
+    h = mv.get("handoff", {})
+    R.update({"handoff_ok": handoff_ok(h, bool(R.get("warm_capture_asked"))), "handoff_warm": h.get("warm"),
+              "handoff_start_s": h.get("start_s"), "handoff_moved_streams": (h.get("switch") or {}).get("moved_streams"),
+              "handoff_source_frozen_s": h.get("source_frozen_s"), "handoff_max_token_gap_s": h.get("max_token_gap_s")})
     for k in ("tokens_lost", "tokens_dup", "tokens_mismatched", "client_errors"):
         R[k] = sum(m.get(k, 0) for m in mv.values())
     R["source_stayed_stopped"] = all(m.get("source_stayed_stopped", True) for m in mv.values()) and bool(mv)
@@ -326,7 +422,7 @@ def summary(R: dict) -> None:
     R["cuda_graph_ok"] = None if R["device"] != "cuda" else bool(graph) and all(graph)
     warm = R.get("warm_capture")
     R["warm_image_bytes_asleep"] = warm.get("image_bytes") if warm and warm.get("asleep") else None
-    R["ok"] = (len(mv) == 3 and R["source_stayed_stopped"] and R["cuda_graph_ok"] is not False
+    R["ok"] = (len(mv) == 3 and R["source_stayed_stopped"] and R["cuda_graph_ok"] is not False and R["handoff_ok"]
                and not any(R[k] for k in ("tokens_lost", "tokens_dup", "tokens_mismatched", "client_errors"))
                and (not R.get("warm_capture_asked") or bool(warm and warm.get("ok"))))
 
