@@ -320,8 +320,8 @@ async def handoff(ck: Check, rc: RouterControl, control: str, base: str, src: An
     """Make before break from `src` to `dst`, a second copy already serving on the same device
     (`start`: how it started), as HandoffTransfer's RESTORE (after the start), SWITCH and RELEASE
     run: the source's threads favoured, the controller's warm-up rounds under the streams, the
-    router's switch with its catch-up and the cut after a token, RELEASE once no stream reads
-    from the source. The streams begin once the target serves: the tiny model's streams are
+    router's switch (its catch-up where `warmup_plan` has one) and the cut after a token,
+    RELEASE once no stream reads from the source. The streams begin once the target serves: the tiny model's streams are
     shorter than a start, and those in flight at SWITCH are what the move proves."""
     from relocator.controller.transfers.handoff import SOURCE_NICE, WINDOW_S, favour, on_source, warm_up
     from types import SimpleNamespace
