@@ -4,7 +4,8 @@ unexplained segfault (docs/benchmarks.md, "CI of stop 37"), to tell whether it r
 Cold-starts one vLLM CPU worker in a cell, captures its warm image (leave-running), then for
 each round and delay: a warm restore A under 4 greedy streams, A dumped (left stopped) DELAY s
 after it is ready and killed, the dump restored as B, B under 4 streams for `--serve-s`, B
-checked alive and its log for a segfault. A crashed B's image and log are kept under `--root`.
+checked alive and its log for a segfault. A crashed B's image and log are kept under `--root`
+(removed when nothing crashed).
 
     RELOCATOR_IMAGE_KEY=$(head -c16 /dev/urandom | xxd -p) \
         python -m loadtests.warm_then_move --delays 1,3 --rounds 4
@@ -126,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                 crashes += one_round(store, entry.key, d, args.root, f"{r}-{d:g}s", args.serve_s)
     finally:
         source.kill()
+        if not crashes:  # the store holds a ~1 GB image in tmpfs: only a crash's is worth keeping
+            shutil.rmtree(args.root, ignore_errors=True)
     log(f"{crashes} crash(es) in {args.rounds * len(delays)} move(s)")
     return 1 if crashes else 0
 
