@@ -160,6 +160,10 @@ def delete_network(cluster: EmulatedCluster) -> None:
     _run("ip", "link", "del", cluster.bridge, check=False)
 
 
+#: the RELOCATOR_* variables a host's raylet is given from this process (the rest are its own)
+PASSED_THROUGH = ("RELOCATOR_BENCH_PLAINTEXT_TRANSFERS", "RELOCATOR_KV_POOL_MB")
+
+
 def host_env(cluster: EmulatedCluster, h: EmulatedHost, health_check_period_ms: int = 1000,
              health_check_failure_threshold: int = 3) -> dict[str, str]:
     """The environment a host's raylet (and so its agent and workers) starts with."""
@@ -181,8 +185,9 @@ def host_env(cluster: EmulatedCluster, h: EmulatedHost, health_check_period_ms: 
         # this host's cell subnet, routed to it (docs/deploy.md "Networking")
         "RELOCATOR_NET_POOL": h.cell_pool,
         "RELOCATOR_CELL_ROUTES": cluster.subnet,
-        # `relocator bench relocation --plaintext-transfers` (the agents refuse it off the bridge)
-        **{k: os.environ[k] for k in ("RELOCATOR_BENCH_PLAINTEXT_TRANSFERS",) if k in os.environ},
+        # bench settings the hosts' agents read: `--plaintext-transfers` (refused off the bridge)
+        # and `--kv-pool-mb` (the vLLM adapter writes the pool where the worker is launched)
+        **{k: os.environ[k] for k in PASSED_THROUGH if k in os.environ},
     }
 
 
