@@ -24,7 +24,7 @@ SERVE_AGAIN_BOUND_S = 30.0
 
 
 def test_chaos_smoke(relocator_cluster, tmp_path) -> None:
-    faults = [f for f in FAULTS if not FAULTS[f].destructive]
+    faults = [f for f in FAULTS if not FAULTS[f].destructive and FAULTS[f].smoke]  # the handoff faults: `relocator chaos`
     cfg = ChaosConfig.smoke(moves=2, faults=faults, streams=4, output_tokens=(32, 64),
                             png=str(tmp_path / "chaos.png"))
     rep = run_chaos(cfg, ctl=relocator_cluster, say=print)
