@@ -26,7 +26,7 @@ def niced(monkeypatch):
         yield
         seen.append(("end", nice))
 
-    monkeypatch.setattr(L, "niced_start", niced_start)
+    monkeypatch.setattr(L, "this_thread_niced", niced_start)
     def renice(cell, nice):
         if nice is not None:
             seen.append(("cell", cell.id, nice))

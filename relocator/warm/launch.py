@@ -20,8 +20,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from relocator.procs import this_thread_niced
 from relocator.warm.config import WarmConfig
-from relocator.warm.lowstart import captured_at_normal, niced_start, renice
+from relocator.warm.lowstart import captured_at_normal, renice
 
 log = logging.getLogger("relocator.warm")
 #: how long a start waits for the filing of its kind's image in progress (seconds)
@@ -55,10 +56,11 @@ class WarmStarts:
         from relocator.worker import launch_worker, wait_ready
 
         cfg = WarmConfig.load()
-        with niced_start(nice):  # what the start forks (CRIU, a cold engine) inherits it
+        niced = {"nice": nice} if nice is not None else {}
+        with this_thread_niced(nice):  # what the start forks (CRIU, a cold engine) inherits it
             cell, warm = self._restore(cfg, spec, engine, cell_id, gpu_ids, ready_timeout, nice)
             if cell is not None:
-                return cell, warm.pop("ready_s"), {**warm, **({"nice": nice} if nice is not None else {})}
+                return cell, warm.pop("ready_s"), {**warm, **niced}
             cell = launch_worker(spec, engine=engine, cell_id=cell_id, gpu_ids=gpu_ids)
             renice(cell, nice)
             try:
@@ -67,7 +69,7 @@ class WarmStarts:
                 cell.kill()
                 raise
             warm["capture"] = captured_at_normal(cell, nice, lambda: self.capture(cfg, cell))
-            return cell, ready_s, {**warm, **({"nice": nice} if nice is not None else {})}
+            return cell, ready_s, {**warm, **niced}
 
     def _restore(self, cfg: WarmConfig, spec, engine: str, cell_id: str, gpu_ids: list[int] | None,
                  ready_timeout: float, nice: int | None = None) -> tuple[Any, dict[str, Any]]:
@@ -154,8 +156,6 @@ class WarmStarts:
 
     def _file(self, staged) -> None:
         from relocator.warm.capture import file_staged
-
-        from relocator.procs import this_thread_niced
 
         why = ""
         try:

@@ -2,9 +2,9 @@
 a host with few CPUs its start (CRIU restore of the warm image, the engine's health) took the
 CPU from the source, the router and the clients (issue 29: the handoff's longest gap fell there).
 
-The start runs with its thread at `nice` (the CRIU restore or the cold engine it forks inherits
-it); a restored tree is niced again once it exists (CRIU puts back each thread's own nice from
-the image); a cold copy is at normal priority only while its warm image is captured (an image
+The start runs with its thread at `nice` (procs.this_thread_niced: the CRIU restore or the cold
+engine it forks inherits it); a restored tree is niced again once it exists (CRIU puts back each
+thread's own nice from the image); a cold copy is at normal priority only while its warm image is captured (an image
 must never carry the low priority into the next start). The controller sets the copy back to
 normal once it has started (relocator.controller.transfers.handoff.to_normal): normal_nice."""
 
@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, TypeVar
 
 from relocator import procs
 
@@ -39,13 +38,6 @@ def renice(cell: Any, nice: int | None) -> int:
         return 0
 
 
-@contextmanager
-def niced_start(nice: int | None) -> Iterator[None]:
-    """The block (a start) with this thread at `nice`, its old value back after (None: as is)."""
-    with procs.this_thread_niced(nice):
-        yield
-
-
 def captured_at_normal(cell: Any, nice: int | None, capture: Callable[[], T]) -> T:
     """`capture()` (the warm image of a cold copy) with `cell` at normal priority (normal_nice),
     then back at `nice`: CRIU keeps each thread's nice in the image, and every later start from it
@@ -59,4 +51,4 @@ def captured_at_normal(cell: Any, nice: int | None, capture: Callable[[], T]) ->
         renice(cell, nice)
 
 
-__all__ = ["captured_at_normal", "niced_start", "normal_nice", "renice"]
+__all__ = ["captured_at_normal", "normal_nice", "renice"]
