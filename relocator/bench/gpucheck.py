@@ -280,10 +280,12 @@ class LocalCalls:
 
         self.rc, self.ops, self.cells = RouterControlSync(control), HandoffOps(), cells
 
-    def prioritize(self, node: str, cell_id: str, nice: int) -> int:
+    def prioritize(self, node: str, cell_id: str, nice: int | None) -> int:
+        """As the agent's (HandoffOps.prioritize), on this process's cells: None is normal again."""
         from relocator import procs
+        from relocator.warm.lowstart import normal_nice
 
-        return procs.set_nice(self.cells[cell_id].pids(), nice)
+        return procs.set_nice(self.cells[cell_id].pids(), normal_nice() if nice is None else nice)
 
     def router_streams(self, worker_id: str) -> list[dict]:
         return self.rc.streams(worker_id)
