@@ -121,11 +121,10 @@ class Injector:
 
     def _postcopy_kill_target(self, rel: dict, still) -> None:
         st = self._postcopy_session(rel, still)
-        cell_json = self.view.state_dir(rel["dst"]) / "cells" / rel["dst_cell"] / "cell.json"
-        if st is None or not cell_json.exists():
+        init = self._cell_init(rel["dst"], rel["dst_cell"]) if st is not None else None
+        if init is None:
             return
-        init = json.loads(cell_json.read_text())["init_pid"]
-        if _kill(int(init)):
+        if _kill(init):
             self._mark(killed="target copy during post-copy", pid=init, page_bytes=st.get("page_bytes"),
                        lazy_bytes=st.get("lazy_bytes"))
 
@@ -206,7 +205,6 @@ class Injector:
 
     def _kill_target_cell(self, rel: dict, still) -> None:
         rid, dst_cell = rel["id"], rel.get("dst_cell")
-        cell_json = self.view.state_dir(rel["dst"]) / "cells" / dst_cell / "cell.json"
 
         def kill() -> bool:  # True: done (killed, or the restore is over)
             table = process_table()
@@ -217,19 +215,16 @@ class Injector:
                         _kill(k)
                     self._mark(killed="tasks under criu restore", pids=kids)
                     return True
-            if cell_json.exists():
-                try:
-                    init = json.loads(cell_json.read_text())["init_pid"]
-                except (OSError, ValueError, KeyError):
-                    init = None
-                if init and still().get("phase") == "RESTORE" and _kill(int(init)):
-                    self._mark(killed="restored cell init", pids=[init])
-                    return True
+            init = self._cell_init(rel["dst"], dst_cell)
+            if init and still().get("phase") == "RESTORE" and _kill(init):
+                self._mark(killed="restored cell init", pids=[init])
+                return True
             return still().get("phase") != "RESTORE"
 
         waits.settle(kill, 20, every=0.005)
 
     def _cell_init(self, node: str, cell: str) -> int | None:
+        """The host PID of `cell`'s init on `node` (its cell.json), None when it has none (yet)."""
         try:
             return int(json.loads((self.view.state_dir(node) / "cells" / cell / "cell.json").read_text())["init_pid"])
         except (OSError, ValueError, KeyError, TypeError):
