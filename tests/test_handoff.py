@@ -261,3 +261,60 @@ def test_a_target_whose_priority_cannot_be_set_back_still_moves_and_it_is_retrie
     assert restore["target_normal_priority"] is False, restore
     assert rel.phases[-1]["info"]["target_normal_priority"] is True, rel.phases[-1]
     assert be.nice[-1] == ("n2", "w1-r1", None), be.nice  # the serving copy at normal priority
+
+
+@pytest.mark.parametrize("when", ["switch", "window"])
+def test_a_target_lost_after_the_switch_rolls_back_to_the_serving_source(env, when) -> None:
+    """CI's chaos smoke (handoff-kill-target-switch): the target copy died after the router
+    switched to it and the move came out done, the live source killed at RELEASE and the
+    worker lost. The source never stopped: the move goes back to it."""
+    store, be = env
+    real_switch = be.handoff_switch
+
+    def switch_then_die(wid, endpoint, **kw):
+        info = real_switch(wid, endpoint, **kw)
+        if when == "window" and not kw.get("keep_inexact", True):
+            be.cells[("n2", "w1-r1")] = "absent"  # dies as the kept streams are cut past the window
+        return info
+
+    real_state = be.cell_state
+    checks = {"n": 0}
+
+    def cell_state(node, cell):
+        if node == "n2" and when == "switch":
+            checks["n"] += 1
+            if checks["n"] > 2:  # alive for SWITCH's two checks, dead at RELEASE's
+                be.cells[(node, cell)] = "absent"
+        return real_state(node, cell)
+
+    be.handoff_switch, be.cell_state = switch_then_die, cell_state
+    if when == "window":
+        be.stay_on_source = 1
+    rel = Machine(store, be, handoff_window_s=0.0).run(
+        Relocation(id="r1", worker="w1", src="n1", dst="n2", transfer="handoff"))
+    assert rel.result == ROLLED_BACK, (rel.result, rel.error)
+    assert rel.rollback["from_phase"] == "RELEASE" and "w1-r1 on n2 is absent" in rel.error, rel.summary()
+    if when == "window":  # found by the last check, right before the source would stop
+        assert "before the source is stopped" in rel.error, rel.error
+    assert rel.reason == "target_lost", rel.reason
+    assert be.live() == [("n1", "c1")], be.cells  # the source was never killed
+    assert be.router["w1"]["endpoint"] == "http://a", be.router  # the router back at the source
+    assert be.nice[-1] == ("n1", "c1", None), be.nice  # and the source at its own priority again
+    w = store.worker("w1")
+    assert (w.node, w.cell_id, w.endpoint, w.state) == ("n1", "c1", "http://a", "running"), w
+
+
+def test_a_target_lost_at_the_switch_check_rolls_back_with_the_sources_priority_back(env) -> None:
+    store, be = env
+    real_switch = be.handoff_switch
+
+    def switch_then_die(wid, endpoint, **kw):
+        info = real_switch(wid, endpoint, **kw)
+        be.cells[("n2", "w1-r1")] = "absent"  # dead by SWITCH's check after the router call
+        return info
+
+    be.handoff_switch = switch_then_die
+    rel = _run(store, be)
+    assert rel.result == ROLLED_BACK and rel.rollback["from_phase"] == "SWITCH", rel.summary()
+    assert be.live() == [("n1", "c1")] and be.router["w1"]["endpoint"] == "http://a", (be.cells, be.router)
+    assert be.nice[-1] == ("n1", "c1", None), be.nice

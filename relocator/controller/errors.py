@@ -49,12 +49,23 @@ class PostCopyFailed(RollbackAfterSwitch):
             FailureReason.NODE_LOST if why == "source" else FailureReason.ERROR)
 
 
+class TargetLostAfterSwitch(RollbackAfterSwitch):
+    """`transfer: handoff`: the target copy died after the router switched to it, before RELEASE
+    stopped the source. The source never stopped serving: the move rolls back to it (the router
+    points back there, the streams cut towards the dead copy continue on it) instead of killing
+    the worker's only live copy (CI's chaos smoke: `done`, then the worker lost)."""
+
+    def __init__(self, message: str, reason: FailureReason = FailureReason.TARGET_LOST) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class SimulatedCrash(BaseException):
     """Raised by a test's crash hook: the machine stops dead, as if its process had died."""
 
 
 __all__ = ["FaultInjected", "PlanError", "PostCopyFailed", "RelocationError", "RollbackAfterSwitch",
-           "SimulatedCrash", "TargetLost"]
+           "SimulatedCrash", "TargetLost", "TargetLostAfterSwitch"]
 
 
 class NodeLost(RuntimeError):

@@ -382,6 +382,8 @@ class Machine:
         elif failed_index >= I_HOLD:
             undo.step("release hold", lambda: self._router_call(lambda: self.backend.release(rel.worker)))
         serving_s = time.monotonic() - t0
+        if source_ok and rel.transfer in transfers.STRATEGIES:
+            undo.step("source as before", lambda: transfers.strategy(rel.transfer).source_back(self, rel))
         if failed_index >= I_RESERVE and rel.reservation:
             undo.step("free reservation", lambda: self.backend.free(rel.reservation))
         if rel.dst_image_dir and rel.dst_image_dir != rel.image_dir and rel.dst:

@@ -102,5 +102,9 @@ class TransferStrategy:
     def rollback(self, rel: "Relocation", worker: "WorkerRecord") -> None:
         """The worker record points back at the source: restore what the mode changed on it."""
 
+    def source_back(self, ctx: Context, rel: "Relocation") -> None:
+        """A rollback left the source serving (resumed, or never stopped): undo what the mode did
+        to the source's copy itself (a handoff's raised priority). Best effort: must not raise."""
+
 
 __all__ = ["Context", "REGISTRY", "TransferStrategy"]

@@ -15,8 +15,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from relocator.controller.errors import PlanError
-from relocator.controller.model import engine_extra
+from relocator.controller.errors import PlanError, TargetLost, TargetLostAfterSwitch
+from relocator.controller.model import engine_extra, failure_reason
 from relocator.controller.transfers.base import Context, TransferStrategy
 from relocator.vocab import TransferMode
 from relocator.waits import settle
@@ -161,6 +161,15 @@ def on_source(backend: Any, rel: "Relocation") -> int:
     return sum(1 for s in backend.router_streams(rel.worker) if s.get("endpoint") == rel.src_endpoint)
 
 
+def target_serving(ctx: Context, rel: "Relocation", when: str) -> None:
+    """Raise TargetLostAfterSwitch if the target copy is gone: between SWITCH and the source's
+    stop the source still serves, so a target lost then rolls the move back to it."""
+    try:
+        ctx.target_alive(rel, when)
+    except TargetLost as exc:
+        raise TargetLostAfterSwitch(str(exc), failure_reason(exc)) from None
+
+
 class HandoffTransfer(TransferStrategy):
     mode = TransferMode.HANDOFF
     freezes_source = False
@@ -202,35 +211,29 @@ class HandoffTransfer(TransferStrategy):
         worker = ctx.store.worker(rel.worker)
         if worker is None:
             raise PlanError(f"unknown worker {rel.worker!r}")
-        favour(ctx.backend, rel, SOURCE_NICE)  # the source keeps its CPUs while the target starts
-        try:
-            t0 = time.monotonic()
-            # started at low priority: its start must not take the serving source's CPU
-            info = ctx.backend.start_copy(rel.dst, rel.dst_cell, worker, rel.dst_gpu_ids or None, nice=TARGET_NICE)
-            rel.dst_endpoint = info["endpoint"]
-            ctx.save(rel)  # a failure from here on kills the target copy (rollback)
-            how = info.get("warm") or {}  # the agent's launch: {how: warm|cold, key, reason, capture}
-            start = {"start_s": round(time.monotonic() - t0, 4), "warm": how.get("how") == "warm",
-                     "start_why": how.get("reason", ""),
-                     # the on-demand copy of its warm image from a peer, first in the start (or None)
-                     "start_copy": how.get("copied")}
-            start["target_normal_priority"] = to_normal(ctx.backend, rel)  # it warms up, then serves
-            warm = warm_up(ctx.backend, rel, worker)
-        except BaseException:
-            favour(ctx.backend, rel, None)  # rolled back: the source serves on as before
-            raise
+        # the source keeps its CPUs while the target starts; a failure from here on rolls back,
+        # and source_back puts its priority back
+        favour(ctx.backend, rel, SOURCE_NICE)
+        t0 = time.monotonic()
+        # started at low priority: its start must not take the serving source's CPU
+        info = ctx.backend.start_copy(rel.dst, rel.dst_cell, worker, rel.dst_gpu_ids or None, nice=TARGET_NICE)
+        rel.dst_endpoint = info["endpoint"]
+        ctx.save(rel)  # a failure from here on kills the target copy (rollback)
+        how = info.get("warm") or {}  # the agent's launch: {how: warm|cold, key, reason, capture}
+        start = {"start_s": round(time.monotonic() - t0, 4), "warm": how.get("how") == "warm",
+                 "start_why": how.get("reason", ""),
+                 # the on-demand copy of its warm image from a peer, first in the start (or None)
+                 "start_copy": how.get("copied")}
+        start["target_normal_priority"] = to_normal(ctx.backend, rel)  # it warms up, then serves
+        warm = warm_up(ctx.backend, rel, worker)
         return {**info, **start, **warm, "source_frozen_s": 0.0, "source_nice": SOURCE_NICE,
                 "target_nice": TARGET_NICE}
 
     def switch(self, ctx: Context, rel: "Relocation", worker: "WorkerRecord") -> dict:
         # each stream cut right after its next token: the source serves until then, so the
         # client's gap is the continuation's first token alone (docs/handoff.md, SWITCH)
-        try:
-            return ctx.backend.handoff_switch(worker.id, rel.dst_endpoint, keep_inexact=True,
-                                              catch_up_rounds=CATCH_UP_ROUNDS, at_token=True)
-        except BaseException:
-            favour(ctx.backend, rel, None)  # it may roll back: the source serves on as before
-            raise
+        return ctx.backend.handoff_switch(worker.id, rel.dst_endpoint, keep_inexact=True,
+                                          catch_up_rounds=CATCH_UP_ROUNDS, at_token=True)
 
     def release(self, ctx: Context, rel: "Relocation") -> dict[str, Any]:
         window = float(ctx.handoff_window_s)  # config controller.handoff_window_s
@@ -238,14 +241,24 @@ class HandoffTransfer(TransferStrategy):
         # resumed the move past it); never left at TARGET_NICE
         normal = to_normal(ctx.backend, rel)
         t0 = time.monotonic()
-        left = settle(lambda: on_source(ctx.backend, rel) == 0, window, every=0.5)
+
+        def kept_done() -> bool:
+            target_serving(ctx, rel, "while the kept streams finish on the source")
+            return on_source(ctx.backend, rel) == 0
+
+        left = settle(kept_done, window, every=0.5)
         out: dict[str, Any] = {"window_s": round(time.monotonic() - t0, 4), "target_normal_priority": normal}
         if not left:  # past the window: continued on the target anyway (inexact, reported)
             info = ctx.backend.handoff_switch(rel.worker, rel.dst_endpoint, keep_inexact=False,
                                               cut_from=rel.src_endpoint)
             out["continued_past_window"] = info.get("moved_streams", 0)
+        # last, right before the machine stops the source: the worker's only other live copy
+        target_serving(ctx, rel, "before the source is stopped")
         return out
+
+    def source_back(self, ctx: Context, rel: "Relocation") -> None:
+        favour(ctx.backend, rel, None)  # rolled back: the source serves on at its own priority
 
 
 __all__ = ["AUTO_RULE", "CATCH_UP_ROUNDS", "GAP_TOKENS", "HandoffCalls", "HandoffTransfer", "MAX_ROUNDS", "SOURCE_NICE",
-           "TARGET_NICE", "WINDOW_S", "WarmUp", "favour", "to_normal", "warm_up"]
+           "TARGET_NICE", "WINDOW_S", "WarmUp", "favour", "target_serving", "to_normal", "warm_up"]
