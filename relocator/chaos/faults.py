@@ -138,9 +138,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("handoff-kill-target-switch", "SWITCH", ("rolled_back", "done"),
           "handoff: SIGKILL the target copy as the router switches to it (right after the 0.5 s pause "
           "before SWITCH, when the controller's check of the target has passed: the router's catch-up or "
-          "cut meets a dead copy). Rolled back to the source, which served throughout (or, where the kill "
-          "lands after the check that follows the switch, done and the lost copy replaced); the streams "
-          "cut towards the dead copy continue on the source: no request fails",
+          "cut meets a dead copy). Rolled back to the source, which served throughout: from SWITCH, or "
+          "from RELEASE, which checks the target before it stops the source (done only where the kill "
+          "lands after that last check); the streams cut towards the dead copy continue on the source: "
+          "no request fails",
           transfer=TransferMode.HANDOFF, controller_faults=(("pause", (("phase", "SWITCH"), ("s", 0.5))),),
           smoke=False),
     Fault("handoff-kill-source-warmup", "RESTORE", ("done", "rolled_back", "failed"),
