@@ -7,6 +7,14 @@ files it). A copy either lands whole and verified or leaves nothing.
 Two uses: the controller copies every image ahead of need to `prefetch.copies` other nodes
 (relocator.controller.warmcopies), so no host is the only holder; and a start that finds no
 image of its kind on its node fetches it from a peer that has one before starting cold.
+
+Where the peer's store is on this host, in this mount namespace (several nodes of one machine:
+the CPU reference's two raylets), the copy reads the peer's image in place, held shared in the
+peer's store, and writes, hashes and files it in this thread: no byte goes through the raylets'
+object stores, whose transfer runs at their nice 0 whatever the copy's ends run at (issue 29: a
+handoff's on-demand copy of ~1 GB took 16 s of its target's start that way, and the longest
+client gap of the move fell in it). Elsewhere (other hosts, emulated hosts' own namespaces) the
+copy goes through Ray as before.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 from relocator.procs import this_thread_niced
@@ -81,6 +90,36 @@ def until_cancelled(chunks: Iterator[tuple], stop: threading.Event, what: str) -
         yield chunk
 
 
+def host_id() -> str:
+    """What makes a path name the same file in two agents: this boot of the host and this mount
+    namespace (an emulated host has its own: the same path there is another file)."""
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    return f"{boot}/{os.stat('/proc/self/ns/mnt').st_ino}"
+
+
+def where_held(image_dir: Path) -> dict[str, Any]:
+    """A peer's answer to `warm_where`: the image's directory and its identity on this host."""
+    st = image_dir.stat()
+    return {"path": str(image_dir), "dev": st.st_dev, "ino": st.st_ino, "host": host_id()}
+
+
+def readable_here(where: dict[str, Any] | None) -> Path | None:
+    """The peer's image directory when this agent can read it in place (same host and mount
+    namespace, the very same directory, readable), else None: the copy goes through Ray."""
+    if not where:
+        return None
+    try:
+        if where.get("host") != host_id():
+            return None
+        path = Path(where["path"])
+        st = path.stat()
+        if (st.st_dev, st.st_ino) != (where["dev"], where["ino"]) or not os.access(path, os.R_OK | os.X_OK):
+            return None
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+    return path
+
+
 def sender_niced(background: bool) -> bool:
     """Whether the peer sends at nice 19: a copy ahead of need, or one this thread waits for at
     low priority (a handoff's target copy starting beside its serving source, often on the
@@ -108,6 +147,30 @@ def _stop_stream(gen: Any) -> None:
         ray.cancel(gen)
     except Exception as exc:  # noqa: BLE001 - it ends when the generator is collected anyway
         log.info("warm copy stream not cancelled: %s", exc)
+
+
+def copy_local(store: Any, image_dir: Path, key: str, chunk_bytes: int, background: bool,
+               stop: threading.Event, what: str) -> tuple[dict, Any]:
+    """Copy a peer's image on this host into `store`, in this thread (at nice 19 for a copy
+    ahead of need; a start's copy runs at the start's nice): the peer's image held shared while
+    it is read, every file hashed against its manifest as it is written (as over Ray), filed.
+    (figures with via "local", the store's entry); CopyCancelled on `stop`, nothing left."""
+    from relocator.agent.transfer import iter_chunks, receive_chunks
+    from relocator.warm.start import NoWarmImage
+    from relocator.warm.store import held_image
+
+    staged = store.staging(key)
+    with this_thread_niced(19 if background else None):
+        try:
+            with held_image(image_dir) as path:
+                if path is None:
+                    raise NoWarmImage(f"{what}: the image was removed meanwhile")
+                staged.rmdir()  # receive_chunks makes it, and removes it on any failure
+                got = receive_chunks(until_cancelled(iter_chunks(path, chunk_bytes), stop, what), staged)
+        except BaseException:
+            store.discard(staged)
+            raise
+        return {**got, "via": "local"}, store.commit(key, staged)
 
 
 class WarmCopyOps:
@@ -171,7 +234,7 @@ class WarmCopyOps:
         secs = time.monotonic() - t0
         log.info("warm image %s copied from %s: %d bytes in %.2fs", key, src_node, entry.bytes, secs)
         return {"copied": True, "key": key, "from": src_node, "bytes": entry.bytes, "seconds": round(secs, 3),
-                "gb_per_s": got.get("gb_per_s")}
+                "gb_per_s": got.get("gb_per_s"), "via": got.get("via", "ray")}
 
     def _receive(self, store: Any, src_node: str, key: str, chunk_bytes: int, background: bool,
                  stop: threading.Event) -> tuple[dict, Any]:
@@ -187,6 +250,13 @@ class WarmCopyOps:
         if size is None:
             raise NoWarmImage(f"node {src_node} holds no warm image {key}")
         store.check_room(int(size))
+        try:
+            local = readable_here(ray.get(src.warm_where.remote(key), timeout=PEER_ASK_S))
+        except Exception as exc:  # noqa: BLE001 - an older peer, or a slow one: through Ray
+            log.info("warm image %s: where %s holds it is not known (%s): copied through Ray", key, src_node, exc)
+            local = None
+        if local is not None:
+            return copy_local(store, local, key, chunk_bytes, background, stop, f"warm image {key} from {src_node}")
         gen = src.stream_warm.options(num_returns="streaming", _generator_backpressure_num_objects=4).remote(
             key, chunk_bytes, sender_niced(background))
         staged = store.staging(key)
@@ -199,7 +269,7 @@ class WarmCopyOps:
                 store.discard(staged)
                 _stop_stream(gen)
                 raise
-            return got, store.commit(key, staged)
+            return {**got, "via": "ray"}, store.commit(key, staged)
 
     def fetch_warm_from_peers(self, key: str) -> dict[str, Any] | None:
         """A start's on-demand copy: the image of `key` from the first peer that holds it, or
@@ -217,6 +287,14 @@ class WarmCopyOps:
             except Exception as exc:  # noqa: BLE001 - that peer is gone or failed: ask the next
                 log.warning("warm image %s not fetched from %s: %s", key, peer, exc)
         return None
+
+    def warm_where(self, key: str) -> dict[str, Any] | None:
+        """Where this node's image of `key` lies, for a peer on this host to read it in place
+        (`readable_here`); None: none here."""
+        from relocator.warm.config import WarmConfig
+
+        path = self.warm.store(WarmConfig.load()).path_of(key)
+        return where_held(path) if path.is_dir() else None
 
     def warm_bytes(self, key: str) -> int | None:
         """The size of this node's image of `key` (None: none here): a copy checks room first."""

@@ -29,11 +29,15 @@ BenchTransfer = registry_choice("BenchTransfer", (*TransferMode.values(), "all")
 
 def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode | str = TransferMode.SHARED,
               base_dir: str = "/var/lib/relocator/bench", engine: str = DEFAULT_ENGINE, emulate_hosts: int = 0,
-              kv_pool_mb: int = 0, host_loss: bool = True, plaintext_transfers: bool = False) -> dict:
+              kv_pool_mb: int = 0, host_loss: bool = True, plaintext_transfers: bool = False,
+              stagger: bool = True) -> dict:
     """One move in `transfer` mode (or, with "all", one move in each of ALL_MODES back and forth
     between the same two nodes, same worker and load: {"runs": [...], "handoff_vs_best_freeze"}).
     `plaintext_transfers`: the same move without TLS (no front, CRIU, keeper and pump in
-    plaintext), to measure what the encryption costs; the bench's own cluster only."""
+    plaintext), to measure what the encryption costs; the bench's own cluster only. `stagger`:
+    the clients' first requests spread over one request's length, so streams are in flight at
+    every instant (else they run in step, and a handoff's switch may fall between their requests
+    and move none)."""
     import relocator
     from relocator.cluster.streams import first_token_s
 
@@ -67,7 +71,7 @@ def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode | 
         ttft = first_token_s(ctl.router_url, MODEL)
         cold = time.monotonic() - t
         for mode in modes:
-            runs.append(_measure(ctl, w["id"], dst, mode, streams, max_tokens))
+            runs.append(_measure(ctl, w["id"], dst, mode, streams, max_tokens, stagger))
             src, dst = dst, src  # the next mode moves it back
         lost = _host_loss(ctl, base_dir, w["id"], streams, max_tokens) if emulate_hosts and host_loss else None
     finally:
@@ -81,7 +85,8 @@ def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode | 
             os.environ[ENV_BENCH_PLAINTEXT] = prev_plain
     common = {"cold_start_to_first_token_s": round(cold, 3), "cold_start_ready_s": w["launch_s"],
               "cold_start_ttft_s": round(ttft, 4), "kv_pool_mb": kv_pool_mb or None, "streams": streams,
-              "max_tokens": max_tokens, "engine": engine, "transfer_tls": not plaintext_transfers}
+              "max_tokens": max_tokens, "engine": engine, "transfer_tls": not plaintext_transfers,
+              "staggered_clients": stagger}
     for r in runs:
         r["blackout_pct_of_cold_start"] = round(100 * r["blackout_max_s"] / cold, 1) if cold else None
     if emulate_hosts:
@@ -121,11 +126,12 @@ def compare(runs: list[dict]) -> dict:
             "times_lower": round(best["blackout_max_s"] / h, 1) if h > 0 else None}
 
 
-def _measure(ctl, wid: str, dst: str, transfer: str, streams: int, max_tokens: int) -> dict:
+def _measure(ctl, wid: str, dst: str, transfer: str, streams: int, max_tokens: int, stagger: bool = True) -> dict:
     """One move of `wid` to `dst` under `streams` greedy clients: the bench's figures."""
     from relocator.cluster.scenario import relocate_under_load
 
-    res = relocate_under_load(ctl, wid, dst, MODEL, concurrency=streams, max_tokens=max_tokens, transfer=transfer)
+    res = relocate_under_load(ctl, wid, dst, MODEL, concurrency=streams, max_tokens=max_tokens, transfer=transfer,
+                              stagger=stagger)
     full = ctl.get_relocation(res["relocation"]["id"]) or {}
     rel, load = res["relocation"], res["load"]
     pc = rel.get("postcopy") or {}
@@ -151,6 +157,8 @@ def _measure(ctl, wid: str, dst: str, transfer: str, streams: int, max_tokens: i
         "target_nice": restore.get("target_nice"), "target_normal_priority": restore.get("target_normal_priority"),
         # the on-demand copy of the warm image that began the target's start (None: none needed)
         "target_copy_s": (restore.get("start_copy") or {}).get("seconds"),
+        # how it went: "local" (a peer's store on this host, read in place), "ray" (object stores)
+        "target_copy_via": (restore.get("start_copy") or {}).get("via"),
         "phase_info": _phase_info(full),
         "tokens_lost": load["tokens_lost"], "tokens_duplicated": load["tokens_duplicated"],
         "tokens_mismatched": load["tokens_mismatched"], "text_mismatched": load["text_mismatched"],
@@ -245,11 +253,15 @@ def bench_relocation(json_out: bool = typer.Option(False, "--json", help="print 
                      plaintext_transfers: bool = typer.Option(
                          False, "--plaintext-transfers", help="bench only: the move's transfers without TLS (no "
                          "TLS front; CRIU, keeper and pump in plaintext), to measure the encryption's cost; "
-                         "refused beyond loopback and the emulated hosts' bridge")) -> None:
+                         "refused beyond loopback and the emulated hosts' bridge"),
+                     stagger: bool = typer.Option(True, "--stagger-clients/--no-stagger-clients",
+                                                  help="spread the clients' first requests over one request's "
+                                                  "length (streams in flight at every instant); off: all start "
+                                                  "at once and run in step, as the bench did before")) -> None:
     """Blackout, phases and token check of one live relocation vs a cold start."""
     json_file = stdout_for_json() if json_out else None  # Ray's driver prints raylet errors there
     out = run_bench(streams, max_tokens, transfer.value, cluster_dir, engine.value, emulate_hosts, kv_pool_mb,
-                    host_loss, plaintext_transfers)
+                    host_loss, plaintext_transfers, stagger)
     if json_file is not None:
         print_json(out, json_file)
         return

@@ -7,23 +7,26 @@ import asyncio
 import time
 from typing import Any, Callable
 
-from relocator.cluster.streams import Load, Reference, reference
+from relocator.cluster.streams import Load, Reference, reference, request_s
 from relocator.waits import until
 
 
 def relocate_under_load(ctl: Any, worker: str, to: str | None, model: str, *, concurrency: int = 8,
                         max_tokens: int = 256, warmup_s: float = 2.0, transfer: str | None = None,
                         faults: dict | None = None, ref: Reference | None = None,
-                        on_phase: Callable[[dict], None] | None = None) -> dict[str, Any]:
+                        on_phase: Callable[[dict], None] | None = None, stagger: bool = False) -> dict[str, Any]:
     """Stream `concurrency` greedy clients through the router, relocate `worker` while they
-    stream, let every stream finish, and check each one against a reference run."""
+    stream, let every stream finish, and check each one against a reference run. `stagger`:
+    the clients' first requests spread over one request's length (streams.start_offsets), so
+    streams are in flight at every instant of the move; the move starts once all have begun."""
     url = ctl.router_url
     t = time.monotonic()
     if ref is None:
         ref = asyncio.run(reference(url, model, max_tokens, concurrency, concurrency))
     ref_s = time.monotonic() - t
-    load = Load(url, model, ref, max_tokens, concurrency).start()
-    time.sleep(warmup_s)
+    spread = request_s(ref) if stagger else 0.0
+    load = Load(url, model, ref, max_tokens, concurrency, stagger_s=spread).start()
+    time.sleep(warmup_s + spread)
     t0 = time.monotonic()
     summary = ctl.relocate(worker, to=to, transfer=transfer, faults=faults, wait=False)
     rid = summary["id"]

@@ -139,14 +139,33 @@ def text_diff(expected: str, got: str) -> dict[str, Any] | None:
             "expected": expected[max(0, i - 20):i + 40], "got": got[max(0, i - 20):i + 40]}
 
 
+def start_offsets(concurrency: int, stagger_s: float) -> list[float]:
+    """When each of `concurrency` clients sends its first request (seconds after the first):
+    spread evenly over `stagger_s`, one request's length, so the streams in flight at any
+    instant are at every point of their requests. Clients that all start at once stay in step
+    (every request has the same length, ignore_eos): they end together, and for the moment
+    before their next requests nothing is in flight (a handoff switching then moves nothing)."""
+    step = max(0.0, stagger_s) / max(1, concurrency)
+    return [round(c * step, 6) for c in range(concurrency)]
+
+
+def request_s(ref: Reference) -> float:
+    """The mean length of the reference's requests (send to last token): one request's time."""
+    spans = [r.times[-1] - r.times[0] for r in ref.values() if len(r.times) > 1]
+    return statistics.fmean(spans) if spans else 0.0
+
+
 class Load:
     """`concurrency` clients, each streaming its own prompt again and again until stopped.
     Runs its own event loop on a thread, so sync code (CLI, tests, actors) can drive it."""
 
     def __init__(self, url: str, model: str, ref: Reference, max_tokens: int,
-                 concurrency: int = 8) -> None:
+                 concurrency: int = 8, stagger_s: float = 0.0) -> None:
         self.url, self.model, self.ref = url, model, ref
         self.max_tokens, self.concurrency = max_tokens, concurrency
+        #: client c sends its first request c * stagger_s / concurrency after the first (0: all
+        #: at once, and then, every request of the same length, they end and start together)
+        self.stagger_s = stagger_s
         self.results: list[RequestResult] = []
         self.request_timeout_s = 120.0  # a request stuck this long counts as a client error
         self._stop = threading.Event()
@@ -168,6 +187,7 @@ class Load:
                 # the prompt the reference ran as that index (fewer reference prompts than
                 # clients: clients share them, and each must send the prompt it is checked against)
                 idx = c % len(self.ref)
+                await asyncio.sleep(start_offsets(self.concurrency, self.stagger_s)[c])
                 while not self._stop.is_set():
                     res_task = asyncio.ensure_future(stream_once(
                         s, self.url, self.model, PROMPTS[idx % len(PROMPTS)], self.max_tokens, client=c,

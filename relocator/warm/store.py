@@ -61,6 +61,22 @@ def _check_key(key: str) -> None:
         raise ValueError(f"not a warm image key: {key!r}")
 
 
+@contextmanager
+def held_image(image_dir: str | Path) -> Iterator[Path | None]:
+    """A filed image of another store on this host (`<root>/images/<key>`: a peer node's, read in
+    place by a local copy), held shared as `ImageStore.use` holds it, so neither its eviction nor
+    an `rm` removes it while it is read; None when it is gone (removed since it was asked for).
+    Opens nothing but its lock: the peer's store is not touched."""
+    path = Path(image_dir)
+    _check_key(path.name)
+    locks = path.parent.parent / "locks"
+    if path.parent.name != "images" or not locks.is_dir():
+        raise ValueError(f"not an image of a store: {path}")
+    with open(locks / path.name, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_SH)
+        yield path if path.is_dir() else None
+
+
 class ImageStore:
     def __init__(self, root: str | Path, max_bytes: int) -> None:
         self.root, self.max_bytes = Path(root), int(max_bytes)
