@@ -123,3 +123,13 @@ def test_clients_start_spread_over_one_request_and_at_once_without_a_stagger() -
            2: RequestResult(0, 2, times=[5.0])}  # one token event short of a span: left out
     assert request_s(ref) == pytest.approx(1.5)
     assert request_s({}) == 0.0
+
+
+def test_the_bench_says_where_in_its_phase_each_phases_longest_gap_began() -> None:
+    from relocator.cli.bench_relocation import gap_by_phase, gap_by_phase_at
+
+    rel = {"phases": [{"name": "RESTORE", "started": 100.0, "ended": 110.0},
+                      {"name": "SWITCH", "started": 110.0, "ended": 111.0}]}
+    gaps = [[1.0, 1.5], [4.0, 4.2], [9.8, 10.3], [10.9, 11.0]]  # monotonic; wall = +100
+    assert gap_by_phase(rel, gaps, 100.0) == {"RESTORE": 0.5, "SWITCH": 0.5}
+    assert gap_by_phase_at(rel, gaps, 100.0) == {"RESTORE": 1.0, "SWITCH": -0.2}

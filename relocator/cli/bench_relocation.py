@@ -173,6 +173,8 @@ def _measure(ctl, wid: str, dst: str, transfer: str, streams: int, max_tokens: i
         "switch_gap_s": switch_gap(full, load.get("long_gaps") or [], res.get("clock_offset_s", 0.0)),
         "blackout_at": blackout_at(full, load.get("blackout_span") or [], res.get("clock_offset_s", 0.0)),
         "gap_by_phase": gap_by_phase(full, load.get("long_gaps") or [], res.get("clock_offset_s", 0.0)),
+        # where in its phase each of those gaps began (seconds into the phase it ended in)
+        "gap_by_phase_at": gap_by_phase_at(full, load.get("long_gaps") or [], res.get("clock_offset_s", 0.0)),
     }
 
 
@@ -199,6 +201,20 @@ def gap_by_phase(rel: dict, gaps: list[list[float]], offset: float) -> dict[str,
                 out[p["name"]] = round(max(out.get(p["name"], 0.0), b - a), 4)
                 break
     return out
+
+
+def gap_by_phase_at(rel: dict, gaps: list[list[float]], offset: float) -> dict[str, float]:
+    """For the longest client gap ending in each phase (gap_by_phase): seconds from that phase's
+    start to the gap's start (negative: it began in an earlier phase)."""
+    best: dict[str, tuple[float, float]] = {}
+    for a, b in gaps:
+        t = b + offset
+        for p in rel.get("phases", []):
+            if p["started"] <= t <= (p.get("ended") or t):
+                if b - a > best.get(p["name"], (-1.0, 0.0))[0]:
+                    best[p["name"]] = (b - a, round(a + offset - p["started"], 4))
+                break
+    return {name: at for name, (_, at) in best.items()}
 
 
 def blackout_at(rel: dict, span: list[float], offset: float) -> dict:
