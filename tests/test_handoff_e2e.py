@@ -1,7 +1,7 @@
 """`transfer: handoff` end to end on the session cluster (tests/conftest.py: raylets, real vLLM
 CPU workers in cells, the router): a make-before-break move under 8 greedy streams checked token
 by token and text by text, the source never frozen; and a target killed before the switch, the
-source serving on untouched."""
+source serving on untouched; and one killed after the switch, the move rolled back to the source."""
 
 from __future__ import annotations
 
@@ -108,4 +108,41 @@ def test_a_target_killed_before_the_switch_leaves_the_source_serving(relocator_c
     assert node_of(ctl, worker) == src
     full = ctl.get_relocation(rel["id"])
     assert "resume source" not in full["rollback"]["steps"] and "router back to source" not in full["rollback"]["steps"]
+    assert full["dst_cell"] not in _cells(ctl, dst)  # nothing of the target left
+
+
+def test_a_target_killed_after_the_switch_rolls_back_to_the_serving_source(relocator_cluster, worker, ref) -> None:
+    """The target copy dies after the router switched to it, before RELEASE stops the source
+    (CI's chaos smoke once saw such a move end `done`, the live source killed, the worker lost).
+    A pause before RELEASE makes the window certain: the move rolls back to the source, and the
+    streams the dead copy was serving continue there, token- and text-exact."""
+    ctl = relocator_cluster
+    src, dst = node_of(ctl, worker), other_node(ctl, worker)
+    out: dict = {}
+    mover = threading.Thread(target=lambda: out.update(relocate_under_load(
+        ctl, worker, dst, MODEL, concurrency=8, max_tokens=MAX_TOKENS, ref=ref, transfer="handoff",
+        faults={"pause": {"phase": "RELEASE", "s": 6.0}})))
+    mover.start()
+
+    def in_release() -> dict | None:
+        for r in ctl.status().get("relocations", []):
+            if r.get("worker") == worker and r.get("result") == "running":
+                full = ctl.get_relocation(r["id"]) or {}
+                if full.get("phase") == "RELEASE":
+                    return full
+        return None
+
+    full = until(in_release, 240, 0.05, what="the handoff's RELEASE")
+    cj = Path(ctl.info["base_dir"]) / "nodes" / dst / "state" / "cells" / str(full["dst_cell"]) / "cell.json"
+    os.kill(int(json.loads(cj.read_text())["init_pid"]), signal.SIGKILL)
+    mover.join(300)
+    assert not mover.is_alive(), "the move did not end"
+    rel, load = out["relocation"], out["load"]
+    full = ctl.get_relocation(rel["id"])
+    assert rel["result"] == "rolled_back", (rel, full.get("rollback"))
+    assert full["rollback"]["from_phase"] == "RELEASE" and "router back to source" in full["rollback"]["steps"], \
+        full["rollback"]
+    _exact(load)  # the streams cut to the dead copy went on at the source: no client saw it
+    assert node_of(ctl, worker) == src
+    assert any(c.startswith(worker) for c in _cells(ctl, src)), _cells(ctl, src)  # the source lives
     assert full["dst_cell"] not in _cells(ctl, dst)  # nothing of the target left
