@@ -140,6 +140,24 @@ class ContinuationCodec:
     def parse_prompt_ids(self, obj: dict) -> list[int]:
         raise NotImplementedError
 
+    # A handoff's warm-up (relocator/agent/modes/handoff.py): prefill-only requests on the
+    # target copy, so its prefix cache holds each stream's KV before the continuation comes.
+    def prefill_request(self, model: str, ids: list[int]) -> tuple[str, dict]:
+        """(path, body) of a non-streamed request that only prefills `ids` (one greedy token
+        out); the OpenAI completions form with a token-id prompt (vLLM, the reference engine)."""
+        return "/v1/completions", {"model": model, "prompt": list(ids), "max_tokens": 1, "temperature": 0,
+                                   "stream": False}
+
+    def prefill_cached_tokens(self, obj: Any) -> int:
+        """The prompt tokens the engine found in its prefix cache, from the answer to
+        `prefill_request` (`usage.prompt_tokens_details.cached_tokens`, vLLM's with
+        --enable-prompt-tokens-details); 0 when unsaid."""
+        try:
+            details = (obj.get("usage") or {}).get("prompt_tokens_details") or {}
+            return int(details.get("cached_tokens") or 0)
+        except (AttributeError, TypeError, ValueError):
+            return 0
+
 
 def completions_continuation(kind: Kind, body: dict, prompt_ids: list[int], sent_ids: list[int],
                              text_by_router: bool, drop: tuple[str, ...] = ()) -> dict:

@@ -309,3 +309,29 @@ def test_criu_round_trip_in_a_cell(tiny_model_dir, tmp_path) -> None:
         if restored is not None:
             restored.kill()
         cell.kill()
+
+
+def test_a_handoffs_prefill_is_found_in_its_prefix_cache(ref_worker: LocalWorker) -> None:
+    """The handoff's warm-up op against the reference engine: a second round of longer sequences
+    finds the first round's whole sequences cached, and the continuation after it says so in
+    its usage (prompt_tokens_details.cached_tokens, as vLLM does) and in /metrics."""
+    from relocator.agent.modes.handoff import HandoffOps
+
+    url = ref_worker.base_url
+    a, b = [311, 290, 305, 444, 123, 77, 45], [311, 12, 99, 8, 250]
+    one = HandoffOps().prefill(url, MODEL, [a, b], engine="reference")
+    two = HandoffOps().prefill(url, MODEL, [a + [5, 6, 7], b + [9]], engine="reference")
+    assert two["cached_tokens"] == len(a) + len(b) > one["cached_tokens"], (one, two)
+
+    async def run() -> dict:
+        body = {"model": MODEL, "prompt": a + [5, 6, 7, 8], "max_tokens": 4, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        got = await _post(url, "/v1/completions", body)
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url + "/metrics") as r:
+                m = get_adapter("reference").parse_metrics(await r.text())
+        return {"usage": got[-2]["usage"], "metrics": m}
+
+    out = asyncio.run(run())
+    assert out["usage"].get("prompt_tokens_details") == {"cached_tokens": len(a) + 3}, out["usage"]
+    assert out["metrics"]["reference:prefix_cache_hits_total"] >= len(a) + len(b) + len(a) + 3, out["metrics"]

@@ -32,7 +32,8 @@ from tokenizers import Tokenizer
 from adapters.reference import __version__
 from adapters.reference.device import DeviceExtras
 from adapters.reference.model import KVCache, Llama
-from adapters.vllm.framing import completion_body
+from adapters.reference.prefixcache import DEFAULT_TOKENS, PrefixCache
+from adapters.vllm.framing import completion_body, usage_of
 from adapters.vllm.outtext import OutputText, TextParams
 
 log = logging.getLogger("reference")
@@ -81,6 +82,7 @@ class Seq:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     out: list[int] = field(default_factory=list)
     pos: int = 0
+    cached: int = 0  # prompt positions taken from the prefix cache, not computed
     finished: bool = False
     cancelled: bool = False
 
@@ -92,9 +94,12 @@ class Seq:
 class Core:
     """Tokenizer, model, sampling and text: synchronous, no I/O."""
 
-    def __init__(self, model_dir: Path, device: str, max_model_len: int) -> None:
+    def __init__(self, model_dir: Path, device: str, max_model_len: int,
+                 prefix_cache_tokens: int = DEFAULT_TOKENS) -> None:
         self.model_dir = Path(model_dir)
         self.model = Llama(self.model_dir, device)
+        #: finished requests' KV by token ids (prefixcache.py); None: off
+        self.prefix = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self.max_model_len = min(max_model_len, self.model.cfg.max_position_embeddings)
         self.eos = self.model.cfg.eos_token_id
@@ -177,12 +182,35 @@ class Core:
         text = None
         if body.get("detokenize", True) is not False:
             text = OutputText(self.tokenizer, prompt, TextParams.from_body(body))
-        return Seq(prompt=list(prompt), max_tokens=max_tokens,
-                   min_tokens=int(body.get("min_tokens") or 0),
-                   ignore_eos=bool(body.get("ignore_eos")),
-                   stop_token_ids=frozenset(int(t) for t in body.get("stop_token_ids") or ()),
-                   temperature=temperature, top_p=top_p, generator=gen, text=text,
-                   cache=self.model.new_cache(len(prompt) + max_tokens))
+        seq = Seq(prompt=list(prompt), max_tokens=max_tokens,
+                  min_tokens=int(body.get("min_tokens") or 0),
+                  ignore_eos=bool(body.get("ignore_eos")),
+                  stop_token_ids=frozenset(int(t) for t in body.get("stop_token_ids") or ()),
+                  temperature=temperature, top_p=top_p, generator=gen, text=text,
+                  cache=self.model.new_cache(len(prompt) + max_tokens))
+        self._reuse(seq)
+        return seq
+
+    def _reuse(self, seq: Seq) -> None:
+        """Start `seq` past the prompt positions the prefix cache holds. The last prompt
+        position is always computed (its logits give the first output token), as vLLM does."""
+        if self.prefix is None:
+            return
+        n, e = self.prefix.match(seq.prompt)
+        n = min(n, len(seq.prompt) - 1)
+        if e is None or n <= 0:
+            return
+        seq.cache.k[:, :n] = e.k[:, :n]
+        seq.cache.v[:, :n] = e.v[:, :n]
+        seq.pos = seq.cached = n
+
+    def retire(self, seq: Seq) -> None:
+        """A request leaves (finished or cancelled): the positions it computed go into the
+        prefix cache (every position before `pos` is written and final)."""
+        if self.prefix is None or seq.pos <= 0:
+            return
+        ids = (seq.prompt + seq.out)[:seq.pos]
+        self.prefix.put(ids, seq.cache.k, seq.cache.v)
 
     def _sample(self, seq: Seq, logits: torch.Tensor) -> int:
         if len(seq.out) < seq.min_tokens:
@@ -240,8 +268,10 @@ class Server:
         self.active: list[Seq] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        # prefix_cache_*: prompt tokens looked up and found (as vLLM's prefix_cache_queries/_hits)
         self.counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0,
-                         "request_success_total": 0, "request_aborted_total": 0}
+                         "request_success_total": 0, "request_aborted_total": 0,
+                         "prefix_cache_queries_total": 0, "prefix_cache_hits_total": 0}
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 << 20)
@@ -274,6 +304,7 @@ class Server:
             for seq in list(self.active):
                 if seq.cancelled:
                     self.active.remove(seq)
+                    self.core.retire(seq)
                     continue
                 try:
                     st = self.core.step(seq)
@@ -281,17 +312,20 @@ class Server:
                     log.exception("step failed")
                     seq.finished = True
                     seq.queue.put_nowait(e)
-                    self.active.remove(seq)
+                    self.active.remove(seq)  # not retired: its cache may be half written
                     continue
                 if st is not None:
                     self.counters["generation_tokens_total"] += 1
                     seq.queue.put_nowait(st)
                 if seq.finished:
                     self.active.remove(seq)
+                    self.core.retire(seq)
             await asyncio.sleep(0)
 
     def _submit(self, seq: Seq) -> None:
         self.counters["prompt_tokens_total"] += len(seq.prompt)
+        self.counters["prefix_cache_queries_total"] += len(seq.prompt)
+        self.counters["prefix_cache_hits_total"] += seq.cached
         self.active.append(seq)
         self._wake.set()
 
@@ -322,6 +356,8 @@ class Server:
             return self._err(404, f"no device action {action!r} (extras off)" if x else "no device extras")
         if action == "check":
             return web.json_response(x.check())
+        if action == "release" and self.core.prefix is not None:
+            self.core.prefix.clear()  # asleep, as vLLM's sleep: no KV of requests in a warm image
         return web.json_response({"bytes": x.release() if action == "release" else x.reserve()})
 
     async def version(self, request: web.Request) -> web.Response:
@@ -402,7 +438,7 @@ class Server:
             text += st.text
             finish, stop_reason = st.finish_reason, st.stop_reason
         obj = completion_body(kind, rid, created, self.model, prompt, out, text, finish,
-                              stop_reason, want_ids)
+                              stop_reason, want_ids, cached_tokens=seq.cached)
         return web.Response(text=_dumps(obj), content_type="application/json")
 
     async def _stream(self, request: web.Request, kind: str, body: dict, seq: Seq, rid: str,
@@ -442,9 +478,7 @@ class Server:
             await send(dict(head, choices=[c]))
         if (body.get("stream_options") or {}).get("include_usage"):
             n = len(seq.out)
-            await send(dict(head, choices=[], usage={
-                "prompt_tokens": len(seq.prompt), "total_tokens": len(seq.prompt) + n,
-                "completion_tokens": n}))
+            await send(dict(head, choices=[], usage=usage_of(seq.prompt, seq.out, seq.cached)))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -460,6 +494,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--kv-pool-mb", type=int, default=0, help="a KV pool of N MiB, every byte written")
     ap.add_argument("--cuda-graph", action="store_true", help="capture one CUDA graph at start")
+    ap.add_argument("--prefix-cache-tokens", type=int, default=DEFAULT_TOKENS,
+                    help="the prefix cache's bound in tokens (finished requests' KV, reused by a "
+                         "prompt that starts with the same ids); 0: off")
     ap.add_argument("--memory-fraction", type=float, default=None,
                     help="a GPU share's memory: on cuda, the most of the device this process may take "
                          "(torch.cuda.set_per_process_memory_fraction); on cpu only reported")
@@ -474,7 +511,9 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.set_per_process_memory_fraction(a.memory_fraction)
         log.info("memory share %.4f of the %s", a.memory_fraction, a.device)
     t0 = time.monotonic()
-    core = Core(Path(a.model), a.device, a.max_model_len)
+    if a.prefix_cache_tokens < 0:
+        raise SystemExit(f"--prefix-cache-tokens must be 0 or more, not {a.prefix_cache_tokens}")
+    core = Core(Path(a.model), a.device, a.max_model_len, a.prefix_cache_tokens)
     log.info("reference engine %s: %s on %s loaded in %.2fs (torch %s)", __version__, a.model,
              a.device, time.monotonic() - t0, torch.__version__)
     extras = None

@@ -77,6 +77,18 @@ class Codec(ContinuationCodec):
             raise ValueError(f"/v1/tokenize answered without token ids: {str(obj)[:200]}")
         return ids
 
+    def prefill_request(self, model: str, ids: list[int]) -> tuple[str, dict]:
+        # the native route: input_ids as they are, and meta_info.cached_tokens (the radix
+        # cache's hit) in every answer, --enable-cache-report or not (docs/sglang.md (b))
+        return "/generate", {"input_ids": list(ids), "stream": False,
+                             "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+
+    def prefill_cached_tokens(self, obj: Any) -> int:
+        try:
+            return int((obj.get("meta_info") or {}).get("cached_tokens") or 0)
+        except (AttributeError, TypeError, ValueError):
+            return 0
+
     def output_text(self, tokenizer: Any, prompt_ids: list[int], body: dict) -> Any | None:
         from adapters.sglang.outtext import OutputText
 

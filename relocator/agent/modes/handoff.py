@@ -1,8 +1,10 @@
 """`transfer: handoff`, agent side: the warm-up of a target copy that is not in the router yet.
 The copy itself starts as any launch does (`launch`: from a warm image of its kind when this
 node's store has one, else cold); `prefill` then sends it the streams in flight on the source,
-one prefill-only request each (max_tokens 1), all at once, so the engine's automatic prefix cache keeps their
-KV and the continuation at the switch recomputes only the last few tokens."""
+one prefill-only request each (max_tokens 1), all at once, so the engine's prefix cache (vLLM's
+automatic prefix caching, SGLang's radix cache, the reference engine's adapters/reference/prefixcache.py)
+keeps their KV and the continuation at the switch recomputes only the last few tokens. Each engine's
+request and answer are its codec's (`prefill_request`, `prefill_cached_tokens`)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from adapters.base import DEFAULT_ENGINE, get_codec
 from relocator.agent.modes.base import ModeBase
 
 #: at most this many prefill requests of one round in flight at once
@@ -20,28 +23,47 @@ MAX_PARALLEL = 32
 PREFILL_TIMEOUT_S = 120.0
 
 
-def prefill_body(model: str, ids: list[int]) -> dict[str, Any]:
-    """An OpenAI completions request that only prefills `ids` (one greedy token out)."""
-    return {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0, "stream": False}
+def prefill_request(model: str, ids: list[int], engine: str = DEFAULT_ENGINE) -> tuple[str, dict[str, Any]]:
+    """(path, body) of a request that only prefills `ids` on `engine` (one greedy token out):
+    OpenAI completions with a token-id prompt on vLLM and the reference engine, SGLang's native
+    /generate with input_ids (the engine's codec: ContinuationCodec.prefill_request)."""
+    return get_codec(engine).prefill_request(model, ids)
 
 
-def cached_tokens(body: bytes) -> int:
-    """The prompt tokens the engine found in its prefix cache (vLLM with
-    --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens); 0 if unsaid."""
+def prefill_body(model: str, ids: list[int], engine: str = DEFAULT_ENGINE) -> dict[str, Any]:
+    """The body of `prefill_request`."""
+    return prefill_request(model, ids, engine)[1]
+
+
+def cached_tokens(body: bytes, engine: str = DEFAULT_ENGINE) -> int:
+    """The prompt tokens `engine` found in its prefix cache, from its answer `body` (vLLM and the
+    reference engine: usage.prompt_tokens_details.cached_tokens; SGLang: meta_info.cached_tokens);
+    0 if unsaid."""
     try:
-        details = (json.loads(body).get("usage") or {}).get("prompt_tokens_details") or {}
-        return int(details.get("cached_tokens") or 0)
-    except (ValueError, AttributeError, TypeError):
+        obj = json.loads(body)
+    except ValueError:
         return 0
+    return get_codec(engine).prefill_cached_tokens(obj)
 
 
-def prefill_one(endpoint: str, model: str, ids: list[int]) -> int:
+def engine_at(endpoint: str) -> str:
+    """The engine of this node's cell serving `endpoint` (the target copy the agent started, with
+    the worker record's engine); the default engine when no cell here serves it."""
+    from relocator.cell.cell import list_cells
+
+    want = endpoint.rstrip("/")
+    cells = [c for c in list_cells() if c.endpoint == want]
+    cells.sort(key=lambda c: not c.is_alive())  # a live one first (a dead record may linger)
+    return cells[0].engine if cells else DEFAULT_ENGINE
+
+
+def prefill_one(endpoint: str, model: str, ids: list[int], engine: str = DEFAULT_ENGINE) -> int:
     """Prefill one token sequence on the copy at `endpoint`; the tokens its engine found cached."""
-    req = urllib.request.Request(endpoint.rstrip("/") + "/v1/completions",
-                                 data=json.dumps(prefill_body(model, ids)).encode(),
+    path, body = prefill_request(model, ids, engine)
+    req = urllib.request.Request(endpoint.rstrip("/") + path, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
     with urllib.request.urlopen(req, timeout=PREFILL_TIMEOUT_S) as r:
-        return cached_tokens(r.read())
+        return cached_tokens(r.read(), engine)
 
 
 class HandoffOps(ModeBase):
@@ -55,17 +77,20 @@ class HandoffOps(ModeBase):
 
         return procs.set_nice(load_cell(cell_id).pids(), normal_nice() if nice is None else nice)
 
-    def prefill(self, endpoint: str, model: str, sequences: list[list[int]]) -> dict[str, Any]:
+    def prefill(self, endpoint: str, model: str, sequences: list[list[int]],
+                engine: str | None = None) -> dict[str, Any]:
         """Prefill every token sequence on the copy at `endpoint` (this node's), all at once (the
         engine batches them: a round takes about one prefill, not one per stream, so the source
-        runs less far ahead meanwhile); the figures of the round."""
+        runs less far ahead meanwhile), in `engine`'s form (None: the engine of the cell at
+        `endpoint`, the worker record's); the figures of the round."""
         t0 = time.monotonic()
+        engine = engine or engine_at(endpoint)
         if not sequences:
-            return {"sequences": 0, "tokens": 0, "cached_tokens": 0, "seconds": 0.0}
+            return {"sequences": 0, "tokens": 0, "cached_tokens": 0, "seconds": 0.0, "engine": engine}
         with ThreadPoolExecutor(min(len(sequences), MAX_PARALLEL)) as pool:
-            cached = sum(pool.map(lambda ids: prefill_one(endpoint, model, ids), sequences))
+            cached = sum(pool.map(lambda ids: prefill_one(endpoint, model, ids, engine), sequences))
         return {"sequences": len(sequences), "tokens": sum(map(len, sequences)), "cached_tokens": cached,
-                "seconds": round(time.monotonic() - t0, 4)}
+                "seconds": round(time.monotonic() - t0, 4), "engine": engine}
 
 
-__all__ = ["HandoffOps", "cached_tokens", "prefill_body", "prefill_one"]
+__all__ = ["HandoffOps", "cached_tokens", "engine_at", "prefill_body", "prefill_one", "prefill_request"]
