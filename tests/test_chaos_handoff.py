@@ -114,3 +114,37 @@ def test_a_handoff_fault_that_rolled_back_with_failed_requests_is_a_problem() ->
     ok = check_outcome(f, {"result": "rolled_back"}, injected=True, serving=True, serve_again_s=0.0,
                        failed_requests=0, leaked={})
     assert ok.ok, ok
+
+
+@pytest.mark.parametrize("states, killed", [
+    # paced at 3e7 B/s: 1 s of memory still to come (3e7 B) after 10 MB of 100 MB: the kill lands
+    ([{"state": "running", "page_bytes": 0, "lazy_bytes": 10 ** 8},
+      {"state": "running", "page_bytes": 10 ** 7, "lazy_bytes": 10 ** 8}], True),
+    # first seen with 80 of 100 MB arrived (under 1 s left; the state may be 0.2 s stale): no kill
+    ([{"state": "running", "page_bytes": 8 * 10 ** 7, "lazy_bytes": 10 ** 8}], False),
+    # a post-copy too short for the margin (under 2 s in all) is taken at its first sighting
+    ([{"state": "running", "page_bytes": 4 * 10 ** 7, "lazy_bytes": 5 * 10 ** 7}], True),
+    ([{"state": "done", "page_bytes": 10 ** 8, "lazy_bytes": 10 ** 8}], False),
+])
+def test_a_postcopy_kill_lands_only_while_memory_is_still_to_come(tmp_path, monkeypatch, states, killed) -> None:
+    """CI's chaos smoke: postcopy-kill-target came out `done` with the worker lost, its kill
+    landing as the last pages came while the keeper's state still read `running`."""
+    from relocator.agent.postcopy import write_state
+
+    kills: list[int] = []
+    monkeypatch.setattr(I, "_kill", lambda p, *a: kills.append(p) or True)
+    inj = _injector(tmp_path, "postcopy-kill-target")
+    assert inj._throttle_bps() == 3e7
+    cdir = tmp_path / "n2" / "cells" / "w1-r1"
+    rel = {"id": "r1", "src": "n1", "src_cell": "c1", "dst": "n2", "dst_cell": "w1-r1", "result": "running",
+           "phase": "RELEASE"}
+    seq = iter(states)
+
+    def still():
+        st = next(seq, None)
+        if st is not None:
+            write_state(cdir, **st)
+        return rel
+
+    inj.act(rel, still)
+    assert (kills == [222]) is killed and inj.injected is killed, (kills, inj.detail)

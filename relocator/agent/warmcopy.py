@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from relocator import procs
 from relocator.procs import this_thread_niced
 
 log = logging.getLogger("relocator.agent")
@@ -93,8 +94,7 @@ def until_cancelled(chunks: Iterator[tuple], stop: threading.Event, what: str) -
 def host_id() -> str:
     """What makes a path name the same file in two agents: this boot of the host and this mount
     namespace (an emulated host has its own: the same path there is another file)."""
-    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    return f"{boot}/{os.stat('/proc/self/ns/mnt').st_ino}"
+    return f"{procs.boot_id()}/{procs.ns_inode('mnt')}"
 
 
 def where_held(image_dir: Path) -> dict[str, Any]:

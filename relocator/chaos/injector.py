@@ -102,18 +102,35 @@ class Injector:
 
         waits.settle(cut, 10, every=0.005)
 
-    def _postcopy_session(self, rel: dict, still, timeout: float = 20.0) -> dict | None:
-        """The post-copy state of the move's target copy once its keeper relays pages."""
+    def _throttle_bps(self) -> float:
+        """The pace the fault sets on the post-copy (its controller fault `postcopy`); 0: none."""
+        for hook, knobs in self.fault.controller_faults:
+            if hook == "postcopy":
+                return float(dict(knobs).get("throttle_bps") or 0.0)
+        return 0.0
+
+    def _postcopy_session(self, rel: dict, still, timeout: float = 20.0, ahead_s: float = 1.0) -> dict | None:
+        """The post-copy state of the move's target copy once its keeper relays pages and, at the
+        fault's pace, at least `ahead_s` of its memory is still to come. The keeper flushes its
+        state five times a second, so a copy that has just got its last pages still reads
+        `running` for a while: CI's chaos smoke once killed such a copy after its move was done
+        (then the worker was lost, not rolled back). A post-copy too short for that margin is
+        taken at its first sighting."""
         from relocator.agent.postcopy import read_state
 
         cdir = self.view.state_dir(rel["dst"]) / "cells" / rel["dst_cell"]
+        bps = self._throttle_bps()
 
         def look() -> tuple[dict | None] | None:  # (the session or None): the wait is over
             if still().get("phase") != self.fault.phase:
                 return (None,)
             st = read_state(cdir) or {}
-            if st.get("state") == "running" and st.get("page_bytes", 0) > 0:
-                return (st,)
+            arrived = int(st.get("page_bytes", 0) or 0)
+            if st.get("state") == "running" and arrived > 0:
+                lazy = int(st.get("lazy_bytes", 0) or 0)
+                if not bps or lazy < 2 * bps * ahead_s or lazy - arrived >= bps * ahead_s:
+                    return (st,)
+                return (None,)  # too late to land inside the post-copy: not injected
             return (None,) if st.get("state") in ("done", "failed") else None
 
         found = waits.settle(look, timeout, every=0.01)
