@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from pathlib import Path
 
@@ -52,9 +53,28 @@ async def wait_ready(cell: Cell, timeout: float = 300.0, poll: float = 0.25) -> 
     return time.monotonic() - start
 
 
+#: a worker's context length instead of LaunchSpec's default, read where workers are launched
+#: (the agents): `relocator bench relocation --prompt-tokens` sets it for its own cluster
+ENV_MAX_MODEL_LEN = "RELOCATOR_MAX_MODEL_LEN"
+
+
+def max_model_len_from_env() -> int:
+    """The context length a worker launched here gets: ENV_MAX_MODEL_LEN, else LaunchSpec's."""
+    raw = os.environ.get(ENV_MAX_MODEL_LEN, "").strip()
+    if not raw:
+        return LaunchSpec.max_model_len
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{ENV_MAX_MODEL_LEN}={raw!r}: a context length in tokens (a positive integer)")
+    return value
+
+
 def default_spec(model_dir: Path, name: str = "tiny-llama", port: int | None = None,
                  engine: str = DEFAULT_ENGINE) -> LaunchSpec:
     from relocator.tinymodel import cache_root
 
-    return LaunchSpec(model_dir=model_dir, served_model_name=name,
+    return LaunchSpec(model_dir=model_dir, served_model_name=name, max_model_len=max_model_len_from_env(),
                       port=port or get_adapter(engine).default_port, cache_dir=str(cache_root()))

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import typer
 
-from adapters.base import DEFAULT_ENGINE, Engine
+from adapters.base import DEFAULT_ENGINE, Engine, LaunchSpec
 from relocator.cli import bench_app
 from relocator.cli.common import console, handle_errors, print_json, stdout_for_json
 from relocator.choices import registry_choice
@@ -25,21 +27,107 @@ ALL_MODES = ("shared", "stream", "postcopy", "handoff")
 FROZEN_PHASES = ("DUMP", "TRANSFER", "RESTORE", "SWITCH")
 #: --transfer: a mode, or all of them
 BenchTransfer = registry_choice("BenchTransfer", (*TransferMode.values(), "all"), __name__)
+#: tokens per KV block the context check rounds each stream up to (vLLM's CPU block size)
+KV_BLOCK_TOKENS = 16
+
+
+@dataclass
+class LongContext:
+    """What `--prompt-tokens` needs: the workers' context length (None: LaunchSpec's default
+    holds it), the KV cache 8 streams of prompt + generated tokens take, and the tokenizer
+    that sizes each prompt (text -> its token count)."""
+
+    prompt_tokens: int
+    max_model_len: int | None
+    kv_cache_needed_mb: float
+    count: Callable[[str], int]
+
+
+def model_limits(model_dir) -> tuple[int, int]:
+    """(the most tokens the model can hold: max_position_embeddings, KV bytes per token in bf16)."""
+    import json
+    from pathlib import Path
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    return int(cfg["max_position_embeddings"]), 2 * int(cfg["num_hidden_layers"]) * kv_heads * head_dim * 2
+
+
+def plan_context(prompt_tokens: int, max_tokens: int, streams: int, kv_pool_mb: int, model_dir,
+                 count: Callable[[str], int]) -> LongContext:
+    """Check that `streams` streams of `prompt_tokens` + `max_tokens` fit the model and the KV
+    pool (ValueError saying what would fit), and the context length the workers need."""
+    from adapters.base import LaunchSpec
+
+    if prompt_tokens < 1:
+        raise ValueError(f"--prompt-tokens {prompt_tokens}: a prompt needs 1 token or more")
+    limit, per_token = model_limits(model_dir)
+    need = prompt_tokens + max_tokens
+    if need > limit:
+        raise ValueError(
+            f"--prompt-tokens {prompt_tokens} + --max-tokens {max_tokens} = {need} tokens, more than {MODEL}'s "
+            f"context of {limit} tokens (max_position_embeddings): take --max-tokens {max(0, limit - prompt_tokens)} "
+            f"or fewer, or --prompt-tokens {max(0, limit - max_tokens)} or fewer")
+    blocks = -(-need // KV_BLOCK_TOKENS)
+    kv_mb = round(streams * blocks * KV_BLOCK_TOKENS * per_token / 2**20, 2)
+    if kv_pool_mb and kv_pool_mb < kv_mb:
+        raise ValueError(
+            f"--kv-pool-mb {kv_pool_mb} cannot hold {streams} streams of {need} tokens "
+            f"(--prompt-tokens + --max-tokens): they need {kv_mb} MB of KV cache; take --kv-pool-mb "
+            f"{int(kv_mb) + 1} or more, or 0 (vLLM's own pool)")
+    # the model's whole context (one warm image kind for every prompt length) when the default is short
+    max_len = None if need <= LaunchSpec.max_model_len else limit
+    return LongContext(prompt_tokens, max_len, kv_mb, count)
+
+
+def token_counter(model_dir) -> Callable[[str], int]:
+    """Text -> its token count with the model's own tokenizer (as the engine counts a prompt)."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    return lambda text: len(tok.encode(text).ids)
+
+
+def counted(ctx: LongContext, streams: int) -> list[int]:
+    """[fewest, most] tokens of the streams' prompts, as the model's tokenizer counts them."""
+    from relocator.cluster.streams import prompts_for
+
+    n = [ctx.count(p) for p in prompts_for(streams, ctx.prompt_tokens, ctx.count)]
+    return [min(n), max(n)]
+
+
+def long_context(prompt_tokens: int | None, max_tokens: int, streams: int, kv_pool_mb: int) -> LongContext | None:
+    """plan_context for the bench's model (None without --prompt-tokens)."""
+    if prompt_tokens is None:
+        return None
+    from relocator.tinymodel import ensure_tiny_model
+
+    model_dir = ensure_tiny_model()
+    return plan_context(prompt_tokens, max_tokens, streams, kv_pool_mb, model_dir, token_counter(model_dir))
 
 
 def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode | str = TransferMode.SHARED,
               base_dir: str = "/var/lib/relocator/bench", engine: str = DEFAULT_ENGINE, emulate_hosts: int = 0,
               kv_pool_mb: int = 0, host_loss: bool = True, plaintext_transfers: bool = False,
-              stagger: bool = True) -> dict:
+              stagger: bool = True, prompt_tokens: int | None = None) -> dict:
     """One move in `transfer` mode (or, with "all", one move in each of ALL_MODES back and forth
     between the same two nodes, same worker and load: {"runs": [...], "handoff_vs_best_freeze"}).
     `plaintext_transfers`: the same move without TLS (no front, CRIU, keeper and pump in
     plaintext), to measure what the encryption costs; the bench's own cluster only. `stagger`:
     the clients' first requests spread over one request's length, so streams are in flight at
     every instant (else they run in step, and a handoff's switch may fall between their requests
-    and move none)."""
+    and move none). `prompt_tokens`: each stream's prompt about that long (its own text per
+    client), the workers' context made long enough; refused (ValueError) beyond the model's
+    context or the `kv_pool_mb` pool."""
     import relocator
     from relocator.cluster.streams import first_token_s
+    from relocator.worker import ENV_MAX_MODEL_LEN
+
+    ctx = long_context(prompt_tokens, max_tokens, streams, kv_pool_mb)  # refused before anything starts
 
     # a KV pool of that size, every page of it touched (in the image): the agents read it when
     # they launch the worker (adapters/vllm/adapter.py)
@@ -51,6 +139,9 @@ def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode | 
     prev_plain = os.environ.pop(ENV_BENCH_PLAINTEXT, None)  # never inherited: this option only
     if plaintext_transfers:  # the agents of the cluster started below get it (relocator.credentials)
         os.environ[ENV_BENCH_PLAINTEXT] = "1"
+    prev_len = os.environ.pop(ENV_MAX_MODEL_LEN, None)  # the agents read it (relocator.worker.default_spec)
+    if ctx is not None and ctx.max_model_len:
+        os.environ[ENV_MAX_MODEL_LEN] = str(ctx.max_model_len)
 
     if emulate_hosts:  # emulated hosts (docs/deploy.md): h1 runs the controller and router; h2 -> h3
         if emulate_hosts < 3:
@@ -71,7 +162,7 @@ def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode | 
         ttft = first_token_s(ctl.router_url, MODEL)
         cold = time.monotonic() - t
         for mode in modes:
-            runs.append(_measure(ctl, w["id"], dst, mode, streams, max_tokens, stagger))
+            runs.append(_measure(ctl, w["id"], dst, mode, streams, max_tokens, stagger, ctx))
             src, dst = dst, src  # the next mode moves it back
         lost = _host_loss(ctl, base_dir, w["id"], streams, max_tokens) if emulate_hosts and host_loss else None
     finally:
@@ -83,10 +174,16 @@ def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode | 
         os.environ.pop(ENV_BENCH_PLAINTEXT, None)
         if prev_plain is not None:
             os.environ[ENV_BENCH_PLAINTEXT] = prev_plain
+        os.environ.pop(ENV_MAX_MODEL_LEN, None)
+        if prev_len is not None:
+            os.environ[ENV_MAX_MODEL_LEN] = prev_len
     common = {"cold_start_to_first_token_s": round(cold, 3), "cold_start_ready_s": w["launch_s"],
               "cold_start_ttft_s": round(ttft, 4), "kv_pool_mb": kv_pool_mb or None, "streams": streams,
               "max_tokens": max_tokens, "engine": engine, "transfer_tls": not plaintext_transfers,
-              "staggered_clients": stagger}
+              "staggered_clients": stagger, "prompt_tokens": prompt_tokens}
+    if ctx is not None:  # what the long prompts took: the workers' context, the KV cache for the streams
+        common.update({"max_model_len": ctx.max_model_len or LaunchSpec.max_model_len,
+                       "kv_cache_needed_mb": ctx.kv_cache_needed_mb, "prompt_tokens_counted": counted(ctx, streams)})
     for r in runs:
         r["blackout_pct_of_cold_start"] = round(100 * r["blackout_max_s"] / cold, 1) if cold else None
     if emulate_hosts:
@@ -126,12 +223,15 @@ def compare(runs: list[dict]) -> dict:
             "times_lower": round(best["blackout_max_s"] / h, 1) if h > 0 else None}
 
 
-def _measure(ctl, wid: str, dst: str, transfer: str, streams: int, max_tokens: int, stagger: bool = True) -> dict:
-    """One move of `wid` to `dst` under `streams` greedy clients: the bench's figures."""
+def _measure(ctl, wid: str, dst: str, transfer: str, streams: int, max_tokens: int, stagger: bool = True,
+             ctx: LongContext | None = None) -> dict:
+    """One move of `wid` to `dst` under `streams` greedy clients: the bench's figures (`ctx`:
+    each client's long prompt, --prompt-tokens)."""
     from relocator.cluster.scenario import relocate_under_load
 
     res = relocate_under_load(ctl, wid, dst, MODEL, concurrency=streams, max_tokens=max_tokens, transfer=transfer,
-                              stagger=stagger)
+                              stagger=stagger, prompt_tokens=ctx.prompt_tokens if ctx else None,
+                              count_tokens=ctx.count if ctx else None)
     full = ctl.get_relocation(res["relocation"]["id"]) or {}
     rel, load = res["relocation"], res["load"]
     pc = rel.get("postcopy") or {}
@@ -273,11 +373,16 @@ def bench_relocation(json_out: bool = typer.Option(False, "--json", help="print 
                      stagger: bool = typer.Option(True, "--stagger-clients/--no-stagger-clients",
                                                   help="spread the clients' first requests over one request's "
                                                   "length (streams in flight at every instant); off: all start "
-                                                  "at once and run in step, as the bench did before")) -> None:
+                                                  "at once and run in step, as the bench did before"),
+                     prompt_tokens: int | None = typer.Option(
+                         None, "--prompt-tokens", min=1, help="each stream's prompt about N tokens long (its own "
+                         "text per client; default: the short built-in prompts), the workers' context made long "
+                         "enough: how each mode's blackout grows with context; N + --max-tokens must fit the "
+                         "model (4096 for tiny-llama)")) -> None:
     """Blackout, phases and token check of one live relocation vs a cold start."""
     json_file = stdout_for_json() if json_out else None  # Ray's driver prints raylet errors there
     out = run_bench(streams, max_tokens, transfer.value, cluster_dir, engine.value, emulate_hosts, kv_pool_mb,
-                    host_loss, plaintext_transfers, stagger)
+                    host_loss, plaintext_transfers, stagger, prompt_tokens)
     if json_file is not None:
         print_json(out, json_file)
         return

@@ -161,7 +161,7 @@ def delete_network(cluster: EmulatedCluster) -> None:
 
 
 #: the RELOCATOR_* variables a host's raylet is given from this process (the rest are its own)
-PASSED_THROUGH = ("RELOCATOR_BENCH_PLAINTEXT_TRANSFERS", "RELOCATOR_KV_POOL_MB")
+PASSED_THROUGH = ("RELOCATOR_BENCH_PLAINTEXT_TRANSFERS", "RELOCATOR_KV_POOL_MB", "RELOCATOR_MAX_MODEL_LEN")
 
 
 def host_env(cluster: EmulatedCluster, h: EmulatedHost, health_check_period_ms: int = 1000,
@@ -186,7 +186,8 @@ def host_env(cluster: EmulatedCluster, h: EmulatedHost, health_check_period_ms: 
         "RELOCATOR_NET_POOL": h.cell_pool,
         "RELOCATOR_CELL_ROUTES": cluster.subnet,
         # bench settings the hosts' agents read: `--plaintext-transfers` (refused off the bridge)
-        # and `--kv-pool-mb` (the vLLM adapter writes the pool where the worker is launched)
+        # and `--kv-pool-mb` (the vLLM adapter writes the pool where the worker is launched), and
+        # `--prompt-tokens`' context length (relocator.worker.default_spec)
         **{k: os.environ[k] for k in PASSED_THROUGH if k in os.environ},
     }
 

@@ -7,25 +7,31 @@ import asyncio
 import time
 from typing import Any, Callable
 
-from relocator.cluster.streams import Load, Reference, reference, request_s
+from relocator.cluster.streams import Load, Reference, prompts_for, reference, request_s
 from relocator.waits import until
 
 
 def relocate_under_load(ctl: Any, worker: str, to: str | None, model: str, *, concurrency: int = 8,
                         max_tokens: int = 256, warmup_s: float = 2.0, transfer: str | None = None,
                         faults: dict | None = None, ref: Reference | None = None,
-                        on_phase: Callable[[dict], None] | None = None, stagger: bool = False) -> dict[str, Any]:
+                        on_phase: Callable[[dict], None] | None = None, stagger: bool = False,
+                        prompt_tokens: int | None = None,
+                        count_tokens: Callable[[str], int] | None = None) -> dict[str, Any]:
     """Stream `concurrency` greedy clients through the router, relocate `worker` while they
     stream, let every stream finish, and check each one against a reference run. `stagger`:
     the clients' first requests spread over one request's length (streams.start_offsets), so
-    streams are in flight at every instant of the move; the move starts once all have begun."""
+    streams are in flight at every instant of the move; the move starts once all have begun.
+    `prompt_tokens`: each client's own prompt of about that many tokens (streams.long_prompt;
+    `count_tokens`, the model's tokenizer, makes it at most that many), not PROMPTS; a given
+    `ref` must have run the same prompts."""
     url = ctl.router_url
+    prompts = prompts_for(concurrency, prompt_tokens, count_tokens)
     t = time.monotonic()
     if ref is None:
-        ref = asyncio.run(reference(url, model, max_tokens, concurrency, concurrency))
+        ref = asyncio.run(reference(url, model, max_tokens, concurrency, concurrency, prompts))
     ref_s = time.monotonic() - t
     spread = request_s(ref) if stagger else 0.0
-    load = Load(url, model, ref, max_tokens, concurrency, stagger_s=spread).start()
+    load = Load(url, model, ref, max_tokens, concurrency, stagger_s=spread, prompts=prompts).start()
     time.sleep(warmup_s + spread)
     t0 = time.monotonic()
     summary = ctl.relocate(worker, to=to, transfer=transfer, faults=faults, wait=False)

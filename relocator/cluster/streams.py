@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import difflib
 import json
+import random
 import statistics
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import aiohttp
 
@@ -28,6 +29,11 @@ PROMPTS = [
     "tokens flow through the router", "the frozen process wakes on",
     "a scheduler that cannot move", "green fields under the morning",
 ]
+#: the words long prompts are made of (long_prompt): those of PROMPTS, in a fixed order
+PROMPT_WORDS = sorted({w for p in PROMPTS for w in p.split()})
+#: tokens per word of PROMPT_WORDS text with the tiny model's tokenizer, about: long_prompt's
+#: guess when it has no tokenizer to count with
+TOKENS_PER_WORD = 2.35
 
 
 #: how many of the longest gaps overlapping a move a load report keeps (Load.report)
@@ -84,17 +90,51 @@ async def stream_once(session: aiohttp.ClientSession, url: str, model: str, prom
     return res
 
 
+def long_prompt(client: int, n_tokens: int, count: Callable[[str], int] | None = None) -> str:
+    """Client `client`'s prompt of about `n_tokens` tokens: PROMPT_WORDS drawn from a generator
+    seeded by the client, so every run gives each client the same text and no two clients
+    share a prefix (a handoff's warm-up recomputes each prompt on its own). `count` (text ->
+    its token count, the served model's tokenizer): the longest such text of at most
+    `n_tokens` tokens; without it, a guess at TOKENS_PER_WORD."""
+    if n_tokens < 1:
+        raise ValueError(f"a prompt of {n_tokens} tokens: it needs 1 or more")
+    rng = random.Random(f"relocator-long-prompt:{client}")
+    words = [rng.choice(PROMPT_WORDS) for _ in range(n_tokens)]  # every word is a token or more
+    if count is None:
+        return " ".join(words[:max(1, round(n_tokens / TOKENS_PER_WORD))])
+    lo, hi = 1, len(words)  # the most words whose text fits (a word never takes fewer tokens)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if count(" ".join(words[:mid])) <= n_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return " ".join(words[:lo])
+
+
+def prompts_for(n_prompts: int, prompt_tokens: int | None = None,
+                count: Callable[[str], int] | None = None) -> list[str]:
+    """The prompts a reference and its load send (index i: prompt i): PROMPTS, or with
+    `prompt_tokens` one long_prompt per index."""
+    if prompt_tokens is None:
+        return [PROMPTS[i % len(PROMPTS)] for i in range(n_prompts)]
+    return [long_prompt(i, prompt_tokens, count) for i in range(n_prompts)]
+
+
 #: prompt index -> that prompt's uninterrupted result (ids and text)
 Reference = dict[int, RequestResult]
 
 
-async def reference(url: str, model: str, max_tokens: int, n_prompts: int, concurrency: int = 8) -> Reference:
-    """Each prompt once, streamed with the same parameters as the load, no relocation."""
+async def reference(url: str, model: str, max_tokens: int, n_prompts: int, concurrency: int = 8,
+                    prompts: Sequence[str] | None = None) -> Reference:
+    """Each prompt once, streamed with the same parameters as the load, no relocation.
+    `prompts`: what prompt i is (i modulo its length; None: PROMPTS); the load must get the same."""
     sem = asyncio.Semaphore(concurrency)
+    texts = list(prompts or PROMPTS)
     async with aiohttp.ClientSession(headers=client_headers()) as s:
         async def one(i: int) -> RequestResult:
             async with sem:
-                return await stream_once(s, url, model, PROMPTS[i % len(PROMPTS)], max_tokens, prompt_idx=i)
+                return await stream_once(s, url, model, texts[i % len(texts)], max_tokens, prompt_idx=i)
 
         results = await asyncio.gather(*(one(i) for i in range(n_prompts)))
     bad = [r.error for r in results if r.error]
@@ -160,8 +200,10 @@ class Load:
     Runs its own event loop on a thread, so sync code (CLI, tests, actors) can drive it."""
 
     def __init__(self, url: str, model: str, ref: Reference, max_tokens: int,
-                 concurrency: int = 8, stagger_s: float = 0.0) -> None:
+                 concurrency: int = 8, stagger_s: float = 0.0, prompts: Sequence[str] | None = None) -> None:
         self.url, self.model, self.ref = url, model, ref
+        #: what prompt i is (i modulo its length): the list the reference ran (None: PROMPTS)
+        self.prompts = list(prompts or PROMPTS)
         self.max_tokens, self.concurrency = max_tokens, concurrency
         #: client c sends its first request c * stagger_s / concurrency after the first (0: all
         #: at once, and then, every request of the same length, they end and start together)
@@ -190,7 +232,7 @@ class Load:
                 await asyncio.sleep(start_offsets(self.concurrency, self.stagger_s)[c])
                 while not self._stop.is_set():
                     res_task = asyncio.ensure_future(stream_once(
-                        s, self.url, self.model, PROMPTS[idx % len(PROMPTS)], self.max_tokens, client=c,
+                        s, self.url, self.model, self.prompts[idx % len(self.prompts)], self.max_tokens, client=c,
                         prompt_idx=idx, timeout=self.request_timeout_s))
                     res = await res_task
                     self.results.append(res)
