@@ -28,6 +28,11 @@ def relocate_under_load(ctl: Any, worker: str, to: str | None, model: str, *, co
     prompts = prompts_for(concurrency, prompt_tokens, count_tokens)
     t = time.monotonic()
     if ref is None:
+        if prompt_tokens is not None:
+            # a long prompt's first, uncached prefill can give another greedy output than every
+            # later, prefix-cached one (a near-tie in the tiny model's logits: 1 of 8 prompts of
+            # 4000 tokens, with no move); one run first, so the reference is what it serves after
+            asyncio.run(reference(url, model, max_tokens, concurrency, concurrency, prompts))
         ref = asyncio.run(reference(url, model, max_tokens, concurrency, concurrency, prompts))
     ref_s = time.monotonic() - t
     spread = request_s(ref) if stagger else 0.0
