@@ -3,12 +3,14 @@ against a cold start of the same model."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 
 import typer
 
@@ -123,25 +125,49 @@ def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode | 
     and move none). `prompt_tokens`: each stream's prompt about that long (its own text per
     client), the workers' context made long enough; refused (ValueError) beyond the model's
     context or the `kv_pool_mb` pool."""
-    import relocator
-    from relocator.cluster.streams import first_token_s
     from relocator.worker import ENV_MAX_MODEL_LEN
 
     ctx = long_context(prompt_tokens, max_tokens, streams, kv_pool_mb)  # refused before anything starts
 
-    # a KV pool of that size, every page of it touched (in the image): the agents read it when
-    # they launch the worker (adapters/vllm/adapter.py)
-    prev_pool = os.environ.get("RELOCATOR_KV_POOL_MB")
-    if kv_pool_mb:
-        os.environ["RELOCATOR_KV_POOL_MB"] = str(kv_pool_mb)
     from relocator.credentials import ENV_BENCH_PLAINTEXT
 
-    prev_plain = os.environ.pop(ENV_BENCH_PLAINTEXT, None)  # never inherited: this option only
-    if plaintext_transfers:  # the agents of the cluster started below get it (relocator.credentials)
-        os.environ[ENV_BENCH_PLAINTEXT] = "1"
-    prev_len = os.environ.pop(ENV_MAX_MODEL_LEN, None)  # the agents read it (relocator.worker.default_spec)
-    if ctx is not None and ctx.max_model_len:
-        os.environ[ENV_MAX_MODEL_LEN] = str(ctx.max_model_len)
+    # what the agents of the cluster started below read: a KV pool of that size, every page of it
+    # touched (adapters/vllm/adapter.py); plaintext transfers (never inherited: this option only,
+    # relocator.credentials); the workers' context (relocator.worker.default_spec)
+    env: dict[str, str | None] = {ENV_BENCH_PLAINTEXT: "1" if plaintext_transfers else None,
+                                  ENV_MAX_MODEL_LEN: str(ctx.max_model_len) if ctx is not None and ctx.max_model_len else None}
+    if kv_pool_mb:
+        env["RELOCATOR_KV_POOL_MB"] = str(kv_pool_mb)
+    with agent_env(env):
+        return _run(streams, max_tokens, transfer, base_dir, engine, emulate_hosts, kv_pool_mb, host_loss,
+                    plaintext_transfers, stagger, prompt_tokens, ctx)
+
+
+@contextlib.contextmanager
+def agent_env(settings: dict[str, str | None]) -> Iterator[None]:
+    """Each variable set (a string) or unset (None) while inside, then put back as it was."""
+    prev = {k: os.environ.get(k) for k in settings}
+
+    def put(values: dict[str, str | None]) -> None:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    put(settings)
+    try:
+        yield
+    finally:
+        put(prev)
+
+
+def _run(streams: int, max_tokens: int, transfer: TransferMode | str, base_dir: str, engine: str,
+         emulate_hosts: int, kv_pool_mb: int, host_loss: bool, plaintext_transfers: bool, stagger: bool,
+         prompt_tokens: int | None, ctx) -> dict:
+    """run_bench's cluster, moves and figures, in the agents' environment."""
+    import relocator
+    from relocator.cluster.streams import first_token_s
 
     if emulate_hosts:  # emulated hosts (docs/deploy.md): h1 runs the controller and router; h2 -> h3
         if emulate_hosts < 3:
@@ -167,16 +193,6 @@ def run_bench(streams: int = 8, max_tokens: int = 256, transfer: TransferMode | 
         lost = _host_loss(ctl, base_dir, w["id"], streams, max_tokens) if emulate_hosts and host_loss else None
     finally:
         ctl.down()
-        if prev_pool is None:
-            os.environ.pop("RELOCATOR_KV_POOL_MB", None)
-        else:
-            os.environ["RELOCATOR_KV_POOL_MB"] = prev_pool
-        os.environ.pop(ENV_BENCH_PLAINTEXT, None)
-        if prev_plain is not None:
-            os.environ[ENV_BENCH_PLAINTEXT] = prev_plain
-        os.environ.pop(ENV_MAX_MODEL_LEN, None)
-        if prev_len is not None:
-            os.environ[ENV_MAX_MODEL_LEN] = prev_len
     common = {"cold_start_to_first_token_s": round(cold, 3), "cold_start_ready_s": w["launch_s"],
               "cold_start_ttft_s": round(ttft, 4), "kv_pool_mb": kv_pool_mb or None, "streams": streams,
               "max_tokens": max_tokens, "engine": engine, "transfer_tls": not plaintext_transfers,
