@@ -122,10 +122,37 @@ def plan(n: int, base_dir: str | Path, subnet: str = "10.250.0.0/24",
     return cluster
 
 
+def _existing_host_netns(prefix: str) -> list[str]:
+    run = Path("/run/netns")
+    return sorted(p.name for p in run.glob(f"{prefix}*")) if run.is_dir() else []
+
+
+def reclaim_stale(cluster: EmulatedCluster, prefix: str = NETNS_PREFIX) -> bool:
+    """Remove emulated hosts' network left by a run that was killed (no process lives in any
+    of their namespaces), so that `up` after a crash does not need a `relocator down` that has
+    no cluster directory left to read; True if something was removed. Hosts that still run a
+    process are refused: another cluster is using them."""
+    from relocator.cell import netns
+
+    names = _existing_host_netns(prefix)
+    if not names and not _link_exists(cluster.bridge):
+        return False
+    busy = {n: len(netns.pids(n)) for n in names}
+    if any(busy.values()):
+        running = ", ".join(f"{n}: {k} process{'es' if k > 1 else ''}" for n, k in busy.items() if k)
+        raise EmulationError(f"emulated hosts already exist and are running ({running}); `relocator down` first")
+    # a namespace takes its veth pair with it, the bridge its routes
+    for name in names:
+        _run("ip", "netns", "del", name, check=False)
+    _run("ip", "link", "del", cluster.bridge, check=False)
+    print(f"removed stale emulated hosts left by an earlier run ({', '.join(names) or cluster.bridge})",
+          file=sys.stderr)
+    return True
+
+
 def create_network(cluster: EmulatedCluster) -> None:
     """The bridge, one namespace per host with its address, forwarding and the cell routes."""
-    if _link_exists(cluster.bridge) or any(Path(f"/run/netns/{h.netns}").exists() for h in cluster.hosts):
-        raise EmulationError(f"emulated hosts already exist ({cluster.bridge}); `relocator down` first")
+    reclaim_stale(cluster)
     prefix = ipaddress.ip_network(cluster.subnet).prefixlen
     _run("ip", "link", "add", cluster.bridge, "type", "bridge")
     _run("ip", "addr", "add", f"{cluster.bridge_ip}/{prefix}", "dev", cluster.bridge)
