@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 Kind = Literal["completions", "chat"]
 
@@ -117,6 +117,11 @@ class ContinuationCodec:
 
     def parse_detokenize(self, obj: dict) -> str:
         raise NotImplementedError
+
+    def logprob_token_texts(self, tokenizer: Any, ids: list[int], context: list[int]) -> list[str]:
+        """The engine's texts of a logprobs position's alternatives `ids`, after the sampled
+        `context` (for a continuation asked with its logprobs keyed by token id)."""
+        return [tokenizer.decode([tid], skip_special_tokens=False) or "" for tid in ids]
 
     def output_text(self, tokenizer: Any, prompt_ids: list[int], body: dict) -> Any | None:
         """The engine's text making for the request `body`, to be fed the stream's ids
@@ -264,26 +269,44 @@ def inexact_reasons(kind: Kind, body: dict, sent_ids: list[int]) -> list[str]:
     return out
 
 
-def chat_logprobs(lp: Any, top: int, keep: int) -> dict | None:
+#: how a completions logprobs token reads when asked with `return_tokens_as_token_ids`
+TOKEN_ID_PREFIX = "token_id:"
+
+#: texts of one position's token-id keys, by position in the chunk (None: keys kept as they are)
+TokenTexts = Callable[[int, list[str]], list[str]]
+
+
+def token_id_of(key: str) -> int | None:
+    if key.startswith(TOKEN_ID_PREFIX) and key[len(TOKEN_ID_PREFIX):].isdigit():
+        return int(key[len(TOKEN_ID_PREFIX):])
+    return None
+
+
+def chat_logprobs(lp: Any, top: int, keep: int, texts: TokenTexts | None = None) -> dict | None:
     """Chat-shaped logprobs (`{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`,
     as vLLM's chat endpoint makes them) from a completions chunk's logprobs asked with
     `logprobs=top`: vLLM's completions dict holds the same entries in the same order (the
     sampled token first, then the top ones), chat lists its first `top` (-1: all). `keep`:
-    how many of the chunk's tokens are sent (the router may have cut at a stop string)."""
+    how many of the chunk's tokens are sent (the router may have cut at a stop string).
+    `texts`: the chunk was asked with tokens as ids (keys that never fold); it gives their text."""
     if not isinstance(lp, dict) or not isinstance(lp.get("tokens"), list):
         return None
     content = []
     tops = lp.get("top_logprobs") or []
+    lps = lp.get("token_logprobs") or []
     for i, tok in enumerate(lp["tokens"][:keep]):
-        lps = lp.get("token_logprobs") or []
+        step = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
+        pairs = list(step.items()) if top < 0 else list(step.items())[:top]
+        if texts is not None:
+            named = texts(i, [tok] + [t for t, _ in pairs])
+            tok, pairs = named[0], [(t, v) for t, (_, v) in zip(named[1:], pairs)]
         entry: dict[str, Any] = {"token": tok,
                                  "logprob": lps[i] if i < len(lps) and lps[i] is not None
                                  else -9999.0,
                                  "bytes": list(tok.encode("utf-8", errors="replace"))}
-        step = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
         entry["top_logprobs"] = [
             {"token": t, "logprob": v, "bytes": list(t.encode("utf-8", errors="replace"))}
-            for t, v in (list(step.items()) if top < 0 else list(step.items())[:top])]
+            for t, v in pairs]
         content.append(entry)
     return {"content": content}
 

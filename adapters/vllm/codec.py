@@ -66,7 +66,16 @@ class Codec(ContinuationCodec):
                              ) -> tuple[str, dict]:
         req = completions_continuation(kind, body, prompt_ids, sent_ids, text_by_router,
                                        drop=("echo", "prompt_logprobs", "suffix"))
+        if kind == "chat" and body.get("logprobs") and text_by_router:
+            # completions' top_logprobs are keyed by text: tokens with the same text would
+            # fold; by id they do not, and the router names them (`logprob_token_texts`)
+            req["return_tokens_as_token_ids"] = True
         return "/v1/completions", req
+
+    def logprob_token_texts(self, tokenizer: Any, ids: list[int], context: list[int]) -> list[str]:
+        from adapters.vllm.logprobtext import token_texts
+
+        return token_texts(tokenizer, ids, context)
 
     def detokenize_request(self, model: str, ids: list[int]) -> tuple[str, dict] | None:
         return "/detokenize", {"model": model, "tokens": list(ids)}

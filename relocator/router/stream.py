@@ -19,7 +19,8 @@ import time
 import uuid
 from typing import Any
 
-from adapters.codec import ContinuationCodec, Delta, Kind, chat_logprobs, dumps, parse_ids
+from adapters.codec import (ContinuationCodec, Delta, Kind, TokenTexts, chat_logprobs, dumps, parse_ids,
+                            token_id_of)
 
 from . import sse
 from .engine_errors import is_engine_failure, split_failure
@@ -339,7 +340,26 @@ class StreamState:
         `logprobs` = the client's `top_logprobs`); None when the client asked for none."""
         if not self.body.get("logprobs"):
             return None
-        return chat_logprobs(lp, int(self.body.get("top_logprobs") or 0), keep)
+        return chat_logprobs(lp, int(self.body.get("top_logprobs") or 0), keep, self._token_texts(lp, keep))
+
+    def _token_texts(self, lp: Any, keep: int) -> TokenTexts | None:
+        """Texts of a continuation's logprobs asked by token id (the client asked for text):
+        made as the engine makes them, after the request's tokens sent before each one."""
+        toks = lp.get("tokens") if isinstance(lp, dict) else None
+        if (self.text is None or self.body.get("return_tokens_as_token_ids") or not toks
+                or token_id_of(str(toks[0])) is None):
+            return None
+        ids = self.text.token_ids
+        start = len(ids) - keep  # this chunk's first token
+        tokenizer, codec = self.text.tokenizer, self.leg_codec
+
+        def texts(pos: int, keys: list[str]) -> list[str]:
+            parsed = [token_id_of(k) for k in keys]
+            named = codec.logprob_token_texts(tokenizer, [t for t in parsed if t is not None],
+                                              ids[:start + pos])
+            it = iter(named)
+            return [next(it) if t is not None else k for k, t in zip(keys, parsed)]
+        return texts
 
     def _shift_offsets(self, lp: Any, keep: int) -> Any:
         """Completions logprobs of a continued leg: offsets continue those already sent; tokens
