@@ -14,7 +14,8 @@ from relocator.chaos.faults import FAULTS, SMOKE_FAULTS, check_outcome, parse_fa
 from relocator.chaos.steps import move_transfer
 from relocator.vocab import TransferMode
 
-HANDOFF_FAULTS = ("handoff-kill-target-warmup", "handoff-kill-target-switch", "handoff-kill-source-warmup")
+HANDOFF_FAULTS = ("handoff-kill-target-warmup", "handoff-kill-target-switch", "handoff-kill-source-warmup",
+                  "handoff-network-cut-switch")
 
 
 def test_each_handoff_fault_forces_a_handoff_and_is_not_in_the_smoke() -> None:
@@ -148,3 +149,59 @@ def test_a_postcopy_kill_lands_only_while_memory_is_still_to_come(tmp_path, monk
 
     inj.act(rel, still)
     assert (kills == [222]) is killed and inj.injected is killed, (kills, inj.detail)
+
+
+def _recorded_iptables(monkeypatch) -> list[list[str]]:
+    ran: list[list[str]] = []
+
+    class Done:
+        returncode, stdout, stderr = 0, "", ""
+
+    monkeypatch.setattr(I.subprocess, "run", lambda argv, **kw: ran.append(list(argv)) or Done())
+    return ran
+
+
+def test_the_switch_network_cut_drops_the_router_target_path_both_ways_until_cleanup(tmp_path, monkeypatch) -> None:
+    ran = _recorded_iptables(monkeypatch)
+    slept: list[float] = []
+    monkeypatch.setattr(I.time, "sleep", lambda s: slept.append(s))
+    inj = _injector(tmp_path, "handoff-network-cut-switch")
+    now = I.time.time()
+    rel = {"id": "r7", "src": "n1", "src_cell": "c1", "dst": "n2", "dst_cell": "w1-r1", "result": "running",
+           "phase": "SWITCH", "phases": [{"name": "SWITCH", "started": now}], "dst_endpoint": "http://127.0.0.5:8123"}
+    inj.act(rel, lambda: rel)
+    assert slept and 0.2 < slept[0] <= 0.25, slept  # halfway through the 0.5 s pause: before the router's call
+    assert inj.injected and inj.detail["cut"].startswith("router <-> target copy 127.0.0.5:8123"), inj.detail
+    tag = ["-m", "comment", "--comment", "relocator-chaos-r7", "-j", "DROP"]
+    assert ran == [["iptables", "-I", "OUTPUT", "-p", "tcp", "-d", "127.0.0.5", "--dport", "8123", *tag],
+                   ["iptables", "-I", "INPUT", "-p", "tcp", "-s", "127.0.0.5", "--sport", "8123", *tag]], ran
+    ran.clear()
+    inj.cleanup()
+    assert sorted(r[1:3] for r in ran) == [["-D", "INPUT"], ["-D", "OUTPUT"]] and all(r[-6:] == tag for r in ran), ran
+    ran.clear()
+    inj.cleanup()  # once only
+    assert ran == []
+
+
+@pytest.mark.parametrize("later", [{"phase": "RELEASE"}, {"result": "rolled_back"}, {"dst_endpoint": ""}])
+def test_a_switch_network_cut_that_comes_too_late_or_has_no_target_is_not_injected(tmp_path, monkeypatch, later) -> None:
+    ran = _recorded_iptables(monkeypatch)
+    monkeypatch.setattr(I.time, "sleep", lambda s: None)
+    inj = _injector(tmp_path, "handoff-network-cut-switch")
+    rel = {"id": "r7", "dst": "n2", "dst_cell": "w1-r1", "result": "running", "phase": "SWITCH",
+           "phases": [{"started": I.time.time()}], "dst_endpoint": "http://127.0.0.1:8123"}
+    inj.act(rel, lambda: {**rel, **later})
+    assert ran == [] and not inj.injected, ran
+
+
+def test_leftover_chaos_rules_count_as_leaks(monkeypatch) -> None:
+    from relocator.chaos import leaks
+
+    class Out:
+        stdout = ("-P INPUT ACCEPT\n-A INPUT -s 127.0.0.5/32 -p tcp -m tcp --sport 8123 "
+                  '-m comment --comment relocator-chaos-r7 -j DROP\n-A INPUT -j CRIU\n')
+
+    monkeypatch.setattr(leaks.subprocess, "run", lambda *a, **kw: Out())
+    assert leaks.chaos_rules() == {"-A INPUT -s 127.0.0.5/32 -p tcp -m tcp --sport 8123 -m comment "
+                                   "--comment relocator-chaos-r7 -j DROP"}
+    assert "firewall" in leaks.KINDS

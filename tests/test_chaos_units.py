@@ -105,7 +105,7 @@ def test_leak_diff() -> None:
     d = diff_leaks(before, after, expected)
     assert set(d) == set(KINDS)
     assert d == {"cells": ["n3/w1-r2"], "netns": ["rl-w1-r2"], "images": ["n1/r2"],
-                 "placement_groups": ["relocator-w1-r2"], "processes": ["123:vllm"], "transfers": []}
+                 "placement_groups": ["relocator-w1-r2"], "processes": ["123:vllm"], "transfers": [], "firewall": []}
     assert total(d) == 5
     assert total(diff_leaks(after, after)) == 0
     # something that went away is not a leak

@@ -29,6 +29,7 @@ class HandoffBackend(FakeBackend):
         self.nice: list[tuple[str, str, int | None]] = []  # the copies' priorities, as asked
         self.started_at: list[int | None] = []  # each target copy's nice at its start
         self.at_token: list[bool] = []  # each switch call: cut at the streams' next token?
+        self.reach: list = []  # the router's answers to its reach probes, in turn (then: reachable)
 
     def prioritize(self, node, cell, nice):
         self._call("prioritize", node, cell)
@@ -50,6 +51,13 @@ class HandoffBackend(FakeBackend):
         on = [{"prompt_ids": [1, 2, 3], "sent_ids": list(self.sent), "endpoint": now, "inexact": []}]
         return on + [{"prompt_ids": [5], "sent_ids": [], "endpoint": "http://a", "inexact": ["seed"]}] \
             * self.stay_on_source
+
+    def router_reaches(self, wid, timeout_s=2.0):
+        self._call("router_reaches", wid)
+        got = self.reach.pop(0) if self.reach else True
+        if isinstance(got, Exception):
+            raise got
+        return {"reachable": got, "endpoint": self.router[wid]["endpoint"], "seconds": 0.01}
 
     def prefill(self, node, endpoint, model, sequences):
         self._call("prefill", node, endpoint)
@@ -318,3 +326,25 @@ def test_a_target_lost_at_the_switch_check_rolls_back_with_the_sources_priority_
     assert rel.result == ROLLED_BACK and rel.rollback["from_phase"] == "SWITCH", rel.summary()
     assert be.live() == [("n1", "c1")] and be.router["w1"]["endpoint"] == "http://a", (be.cells, be.router)
     assert be.nice[-1] == ("n1", "c1", None), be.nice
+
+
+def test_a_target_the_router_cannot_reach_rolls_back_before_the_source_stops(env) -> None:
+    """A network cut between the router and the target at the switch: the copy is alive to its
+    agent, but stopping the source would leave the worker unreachable (chaos fault
+    handoff-network-cut-switch)."""
+    store, be = env
+    be.reach = [False, False, False]
+    rel = _run(store, be)
+    assert rel.result == ROLLED_BACK and rel.rollback["from_phase"] == "RELEASE", rel.summary()
+    assert "router cannot reach target copy w1-r1" in rel.error and rel.reason == "target_lost", rel.error
+    assert [c for c in be.calls if c[0] == "router_reaches"] == [("router_reaches", "w1")] * 3
+    assert be.live() == [("n1", "c1")] and be.router["w1"]["endpoint"] == "http://a", (be.cells, be.router)
+
+
+@pytest.mark.parametrize("answers", [[False, True], [RuntimeError("404: no such path (an older router)")]])
+def test_a_router_that_reaches_the_target_late_or_cannot_say_lets_the_move_finish(env, answers) -> None:
+    store, be = env
+    be.reach = list(answers)
+    rel = _run(store, be)
+    assert rel.result == DONE, (rel.result, rel.error)
+    assert be.live() == [("n2", "w1-r1")] and be.router["w1"]["endpoint"] == "http://n2/w1-r1", be.router

@@ -308,3 +308,29 @@ async def test_a_stalled_stream_switched_at_token_is_cut_after_the_wait_and_cont
         await rc._call("POST", "/control/workers/w1/switch", {"endpoint": fakes[0][1], "at_token": "yes"})
     assert ei.value.status == 400 and ei.value.body["error"]["param"] == "at_token"
     await rc.close()
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_reach_says_whether_the_router_gets_an_answer_from_the_workers_endpoint(env):  # noqa: F811
+    """RELEASE's last check of a handoff: the target copy as the router sees it."""
+    import socket
+
+    srv, fakes, s = env
+    rc = RouterControl(srv.control_url)
+    got = await rc.reach("w1", timeout_s=2)
+    assert got["reachable"] is True and got["endpoint"] == fakes[0][1] and got["seconds"] >= 0, got
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    await rc.switch("w1", dead)
+    got = await rc.reach("w1", timeout_s=1)
+    assert got["reachable"] is False and got["endpoint"] == dead, got
+    await rc.switch("w1", fakes[0][1])
+    for bad in ("0", "31", "x"):
+        with pytest.raises(ControlError) as ei:
+            await rc._call("GET", f"/control/workers/w1/reach?timeout_s={bad}")
+        assert ei.value.status == 400 and ei.value.body["error"]["param"] == "timeout_s", ei.value.body
+    with pytest.raises(ControlError) as ei:
+        await rc.reach("nope")
+    assert ei.value.status == 404
+    await rc.close()

@@ -144,6 +144,15 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "no request fails",
           transfer=TransferMode.HANDOFF, controller_faults=(("pause", (("phase", "SWITCH"), ("s", 0.5))),),
           smoke=False),
+    Fault("handoff-network-cut-switch", "SWITCH", ("rolled_back",),
+          "handoff: drop every packet between the router and the target copy (iptables, both ways, on the "
+          "target's address and port) in the 0.5 s pause before SWITCH, after the controller's check of the "
+          "target (alive to its agent, cut off from the router): the router's catch-up and the streams it "
+          "continues there get no answer; RELEASE's check from the router (its /health probes of the "
+          "target) fails, so the move rolls back to the source, which served throughout, and the streams cut "
+          "towards the target continue there; the rules are removed once the move has ended: no request fails",
+          transfer=TransferMode.HANDOFF, controller_faults=(("pause", (("phase", "SWITCH"), ("s", 0.5))),),
+          smoke=False),
     Fault("handoff-kill-source-warmup", "RESTORE", ("done", "rolled_back", "failed"),
           "handoff: SIGKILL the source (its cell's init) while the started target copy warms up (or in the "
           "2 s pause before SWITCH). The issue's aim: its streams continue on the target from the ids sent, "

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 from relocator import waits
 from relocator.chaos.faults import Fault
 from relocator.chaos.hosts import LocalView
+from relocator.chaos.leaks import RULE_TAG
 from relocator.chaos.probe import _kill
 from relocator.procs import criu_processes, descendants, process_table
 
@@ -151,7 +152,7 @@ class Injector:
         port = pc.get("port")
         if st is None or not port:
             return
-        tag = f"relocator-chaos-{rel['id']}"
+        tag = f"{RULE_TAG}{rel['id']}"
         # a cut link cuts both of the source's connections: the page server's and the push's
         rules, cut = [], []
         for p in (port, pc.get("pump_port")):
@@ -169,12 +170,7 @@ class Injector:
             cut.append(f"tcp {p} <-> {peer}")
         if not cut or not cut[0].startswith(f"tcp {port} "):
             return  # the page server's connection is gone already (the post-copy ended)
-        for r in rules:
-            subprocess.run(["iptables", "-I", "INPUT", *r, "-m", "comment", "--comment", tag, "-j", "DROP"],
-                           check=True, capture_output=True)
-        self._cleanups.append(lambda: [subprocess.run(
-            ["iptables", "-D", "INPUT", *r, "-m", "comment", "--comment", tag, "-j", "DROP"], capture_output=True)
-            for r in rules])
+        self._iptables_drop([("INPUT", r) for r in rules], tag)
         self._mark(cut=", ".join(cut) + " (the source's page server and push, and the keeper)",
                    page_bytes=st.get("page_bytes"), lazy_bytes=st.get("lazy_bytes"))
 
@@ -287,6 +283,32 @@ class Injector:
             self._mark(killed="target copy", pid=init, window="switch",
                        after_switch_start_s=round(time.time() - started, 3))
 
+    def _handoff_network_cut_switch(self, rel: dict, still) -> None:
+        """Cut the router off the target copy halfway through the pause before SWITCH (the
+        controller's check of the target has passed; the router's call comes next)."""
+        started = float((rel.get("phases") or [{}])[-1].get("started") or time.time())
+        time.sleep(max(0.0, started + self._pause_s() / 2 - time.time()))
+        r = still()
+        url = urlsplit(r.get("dst_endpoint") or "")
+        if r.get("phase") != "SWITCH" or r.get("result") != "running" or not url.hostname or not url.port:
+            return
+        host, port = url.hostname, str(url.port)
+        # the router's requests to the target leave through OUTPUT (loopback or the emulated
+        # hosts' bridge alike), its answers come in through INPUT
+        rules = [("OUTPUT", ["-p", "tcp", "-d", host, "--dport", port]),
+                 ("INPUT", ["-p", "tcp", "-s", host, "--sport", port])]
+        self._iptables_drop(rules, f"{RULE_TAG}{rel['id']}")
+        self._mark(cut=f"router <-> target copy {host}:{port} (tcp, both ways)", window="switch",
+                   after_switch_start_s=round(time.time() - started, 3))
+
+    def _iptables_drop(self, rules: list[tuple[str, list[str]]], tag: str) -> None:
+        """DROP rules (chain, match) tagged `tag`, removed by cleanup()."""
+        for chain, match in rules:
+            subprocess.run(["iptables", "-I", chain, *match, "-m", "comment", "--comment", tag, "-j", "DROP"],
+                           check=True, capture_output=True)
+            self._cleanups.append(lambda c=chain, m=match: subprocess.run(
+                ["iptables", "-D", c, *m, "-m", "comment", "--comment", tag, "-j", "DROP"], capture_output=True))
+
     def _kill_controller(self, rel: dict, still) -> None:
         import ray
 
@@ -346,4 +368,5 @@ ACTIONS: dict[str, Callable[[Injector, dict, Callable[[], dict]], None]] = {
     "handoff-kill-target-warmup": Injector._handoff_kill_target_warmup,
     "handoff-kill-target-switch": Injector._handoff_kill_target_switch,
     "handoff-kill-source-warmup": Injector._handoff_kill_source_warmup,
+    "handoff-network-cut-switch": Injector._handoff_network_cut_switch,
 }

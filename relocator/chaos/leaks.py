@@ -5,7 +5,8 @@ Kinds: `cells` (recorded under each node's state dir), `netns` (`ip netns` entri
 relocator.agent.transient), `placement_groups` (`relocator-*`, not removed), `processes` (vLLM
 processes started by this cluster that are in no recorded cell), `transfers` (CRIU page servers,
 lazy dumps, lazy-pages daemons and post-copy keepers working in this cluster's directories: each
-ends with its move).
+ends with its move), `firewall` (iptables rules a network-cut fault tagged `relocator-chaos-*`:
+each is removed once its move has ended).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from typing import Any, Iterable
 
 from relocator import procs
 
-KINDS = ("cells", "netns", "images", "placement_groups", "processes", "transfers")
+KINDS = ("cells", "netns", "images", "placement_groups", "processes", "transfers", "firewall")
+#: the comment a chaos fault's iptables rules carry (relocator.chaos.injector)
+RULE_TAG = "relocator-chaos-"
 
 
 def diff_leaks(before: dict[str, Iterable[str]], after: dict[str, Iterable[str]],
@@ -120,6 +123,15 @@ def transfer_processes(base: Path) -> set[str]:
     return out
 
 
+def chaos_rules() -> set[str]:
+    """The iptables rules (`iptables -S` lines) a chaos fault tagged; empty without iptables."""
+    try:
+        out = subprocess.run(["iptables", "-S"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return {line for line in out.splitlines() if RULE_TAG in line}
+
+
 def _foreign_netns(name: str, base: Path) -> bool:
     """A namespace whose processes belong to another cluster (same cell name elsewhere)."""
     from relocator.cell import netns as ns
@@ -143,5 +155,6 @@ def collect(base: str | Path, with_ray: bool = True, netns_names: set[str] | Non
         ns = {n for n in ns & set(netns_names) if not _foreign_netns(n, base)}
     snap = {"cells": set(cs), "netns": ns, "images": images(base),
             "placement_groups": placement_groups() if with_ray else set(),
-            "processes": engine_processes(base, cs.values()), "transfers": transfer_processes(base)}
+            "processes": engine_processes(base, cs.values()), "transfers": transfer_processes(base),
+            "firewall": chaos_rules()}
     return snap

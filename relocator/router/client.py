@@ -38,7 +38,8 @@ def _paths(worker: str | None = None) -> dict[str, str]:
     w = quote(worker or "", safe="")
     return {"replicas": "/control/replicas", "replica": f"/control/replicas/{w}",
             "hold": f"/control/workers/{w}/hold", "switch": f"/control/workers/{w}/switch",
-            "release": f"/control/workers/{w}/release", "streams": f"/control/workers/{w}/streams"}
+            "release": f"/control/workers/{w}/release", "streams": f"/control/workers/{w}/streams",
+            "reach": f"/control/workers/{w}/reach"}
 
 
 class RouterControl:
@@ -102,6 +103,9 @@ class RouterControl:
     async def streams(self, worker_id: str) -> list[dict]:
         return (await self._call("GET", _paths(worker_id)["streams"]))["streams"]
 
+    async def reach(self, worker_id: str, timeout_s: float = 2.0) -> dict:
+        return await self._call("GET", f"{_paths(worker_id)['reach']}?timeout_s={timeout_s:g}")
+
     async def release(self, worker_id: str) -> dict:
         return await self._call("POST", _paths(worker_id)["release"])
 
@@ -164,6 +168,10 @@ class RouterControlSync:
     def streams(self, worker_id: str) -> list[dict]:
         """The worker's streams in flight (prompt_ids, sent_ids, inexact)."""
         return self._call("GET", _paths(worker_id)["streams"])["streams"]
+
+    def reach(self, worker_id: str, timeout_s: float = 2.0) -> dict:
+        """Whether the router reaches the worker's endpoint now ({reachable, endpoint, seconds})."""
+        return self._call("GET", f"{_paths(worker_id)['reach']}?timeout_s={timeout_s:g}")
 
     def release(self, worker_id: str) -> dict:
         return self._call("POST", _paths(worker_id)["release"])

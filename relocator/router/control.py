@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import socket
+import time
 from typing import Callable
 
 from aiohttp import web
@@ -37,8 +38,8 @@ async def openai_errors(request: web.Request, handler):
 
 
 class ControlAPI:
-    """Handlers for the routing table of `rt`: list, add, remove, hold, switch, release, and a
-    worker's streams in flight. Every
+    """Handlers for the routing table of `rt`: list, add, remove, hold, switch, release, a
+    worker's streams in flight, and whether the router reaches it. Every
     change is persisted (`rt.persist`)."""
 
     def __init__(self, rt: RouterRuntime) -> None:
@@ -56,6 +57,7 @@ class ControlAPI:
         a.router.add_post("/control/workers/{worker}/switch", self.switch)
         a.router.add_post("/control/workers/{worker}/release", self.release)
         a.router.add_get("/control/workers/{worker}/streams", self.streams)
+        a.router.add_get("/control/workers/{worker}/reach", self.reach)
         return a
 
     def host(self) -> str:
@@ -178,6 +180,28 @@ class ControlAPI:
         """The worker's streams in flight: prompt ids, ids sent, why a continuation would be
         inexact (a handoff's warm-up prefills the target from them)."""
         return web.json_response({"streams": self.rt.table.streams(self._worker(request))})
+
+    async def reach(self, request: web.Request) -> web.Response:
+        """Whether this router reaches the worker's endpoint now (its /health within `timeout_s`,
+        default 2, at most 30): a handoff checks the target copy from where the clients' traffic
+        goes before it stops the source (a copy alive to its agent may still be cut off from here)."""
+        w = self._worker(request)
+        raw = request.query.get("timeout_s", "2")
+        try:
+            timeout = float(raw)
+        except ValueError:
+            timeout = -1.0
+        if not 0 < timeout <= 30:
+            raise errors.bad_request(f"'timeout_s' must be a number of seconds in (0, 30], not {raw!r}.",
+                                     param="timeout_s")
+        url = self.rt.table.get(w).endpoint
+        if self.rt.upstream is None:
+            raise RouterError(503, "The router's upstream pool is not open yet; retry later.",
+                              type="service_unavailable", code="not_ready")
+        t0 = time.monotonic()
+        ok = await self.rt.upstream.health(url, timeout)
+        return web.json_response({"worker": w, "endpoint": url, "reachable": bool(ok),
+                                  "seconds": round(time.monotonic() - t0, 4)})
 
     async def release(self, request: web.Request) -> web.Response:
         info = self.rt.table.release(self._worker(request))

@@ -48,6 +48,8 @@ SOURCE_NICE = -10
 #: would run ahead round after round, and the switch would recompute it all. (Normal is the
 #: agent's nice: Ray starts its workers, so every cell, at 15; the router and clients run at 0.)
 TARGET_NICE = 19
+#: the router's check that it reaches the target before the source stops: tries, each's limit
+REACH_TRIES, REACH_TIMEOUT_S = 3, 2.0
 #: how long streams that cannot be continued exactly may finish on the source after SWITCH
 #: (the default of config controller.handoff_window_s)
 WINDOW_S = 30.0
@@ -75,6 +77,10 @@ class HandoffCalls:
 
     def router_streams(self, worker_id: str) -> list[dict]:
         return self._router(worker_id, lambda rc: rc.streams(worker_id))  # type: ignore[attr-defined]
+
+    def router_reaches(self, worker_id: str, timeout_s: float = REACH_TIMEOUT_S) -> dict:
+        """Whether the router reaches the worker's endpoint now ({reachable, endpoint, seconds})."""
+        return self._router(worker_id, lambda rc: rc.reach(worker_id, timeout_s))  # type: ignore[attr-defined]
 
     def prefill(self, node: str, endpoint: str, model: str, sequences: list[list[int]]) -> dict:
         return self.agents.call(node, lambda a: a.prefill.remote(endpoint, model, sequences),  # type: ignore[attr-defined]
@@ -159,6 +165,29 @@ def to_normal(backend: Any, rel: "Relocation", tries: int = 2) -> bool:
 def on_source(backend: Any, rel: "Relocation") -> int:
     """Streams still read from the source's endpoint (those kept at SWITCH)."""
     return sum(1 for s in backend.router_streams(rel.worker) if s.get("endpoint") == rel.src_endpoint)
+
+
+def target_reached(backend: Any, rel: "Relocation", tries: int = REACH_TRIES) -> dict[str, Any]:
+    """Raise TargetLostAfterSwitch if the router cannot reach the target copy (`tries` probes of
+    its /health from the router, each within REACH_TIMEOUT_S): a copy alive to its agent may be
+    cut off from where the clients' traffic goes, and stopping the source then would leave the
+    worker unreachable. A router that cannot say (an older one, a failed call) is logged, not
+    fatal: the agent's check stands. Returns the last answer."""
+    ask = getattr(backend, "router_reaches", None)
+    if ask is None:
+        return {}
+    got: dict[str, Any] = {}
+    for _ in range(tries):
+        try:
+            got = ask(rel.worker) or {}
+        except Exception as exc:  # noqa: BLE001
+            log.warning("handoff %s: the router's reach of the target not checked: %s", rel.id, exc)
+            return {}
+        if got.get("reachable"):
+            return got
+    raise TargetLostAfterSwitch(
+        f"the router cannot reach target copy {rel.dst_cell} at {rel.dst_endpoint} ({tries} health probes "
+        f"of {REACH_TIMEOUT_S:g} s) before the source is stopped")
 
 
 def target_serving(ctx: Context, rel: "Relocation", when: str) -> None:
@@ -252,8 +281,12 @@ class HandoffTransfer(TransferStrategy):
             info = ctx.backend.handoff_switch(rel.worker, rel.dst_endpoint, keep_inexact=False,
                                               cut_from=rel.src_endpoint)
             out["continued_past_window"] = info.get("moved_streams", 0)
-        # last, right before the machine stops the source: the worker's only other live copy
+        # last, right before the machine stops the source: the worker's only other live copy,
+        # alive to its agent and reached by the router
         target_serving(ctx, rel, "before the source is stopped")
+        reach = target_reached(ctx.backend, rel)
+        if reach:
+            out["router_reach_s"] = reach.get("seconds")
         return out
 
     def source_back(self, ctx: Context, rel: "Relocation") -> None:
@@ -261,4 +294,5 @@ class HandoffTransfer(TransferStrategy):
 
 
 __all__ = ["AUTO_RULE", "CATCH_UP_ROUNDS", "GAP_TOKENS", "HandoffCalls", "HandoffTransfer", "MAX_ROUNDS", "SOURCE_NICE",
-           "TARGET_NICE", "WINDOW_S", "WarmUp", "favour", "target_serving", "to_normal", "warm_up"]
+           "REACH_TIMEOUT_S", "REACH_TRIES", "TARGET_NICE", "WINDOW_S", "WarmUp", "favour", "target_reached",
+           "target_serving", "to_normal", "warm_up"]
