@@ -99,9 +99,40 @@ def children(pid: int | None, recursive: bool = True) -> list[int]:
         return []
 
 
-def set_nice(pids: list[int], nice: int) -> int:
+def autogroup(pid: int) -> tuple[str, int] | None:
+    """(name, nice) of `pid`'s scheduler autogroup (/proc/PID/autogroup); None: gone, or none."""
+    try:
+        name, _, nice = Path(f"/proc/{pid}/autogroup").read_text().split()
+        return name, int(nice)
+    except (OSError, ValueError):
+        return None
+
+
+def set_group_nice(pids: list[int], nice: int) -> list[str]:
+    """Set the nice value of the scheduler autogroups of `pids` (with autogroups on, the kernel
+    shares the CPU between sessions first, whatever each thread's own nice: a cell, its own
+    session, weighed no more than the raylets' beside it however its threads were niced), never
+    this process's own (the agent's, shared with the raylets and the router); the groups set."""
+    mine = autogroup(os.getpid())
+    done: list[str] = []
+    for pid in pids:
+        g = autogroup(pid)
+        if g is None or g[0] in done or (mine is not None and g[0] == mine[0]):
+            continue
+        try:
+            Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+            done.append(g[0])
+        except OSError:
+            pass
+    return done
+
+
+def set_nice(pids: list[int], nice: int, group: int | None = None) -> int:
     """Set the nice value of every thread of `pids` (Linux schedules threads: a process's
-    setpriority moves its main thread only); the threads changed. Gone or not allowed: skipped."""
+    setpriority moves its main thread only), and with `group` their autogroups' (set_group_nice);
+    the threads changed. Gone or not allowed: skipped."""
+    if group is not None:
+        set_group_nice(pids, group)
     n = 0
     for pid in pids:
         p = _proc(pid)

@@ -8,6 +8,9 @@ import subprocess
 import sys
 import time
 
+import psutil
+import pytest
+
 from relocator import procs
 
 
@@ -160,3 +163,25 @@ def test_this_thread_niced_sets_and_restores_only_this_thread() -> None:
     t.start()
     t.join()
     assert seen == {"inside": 15, "main": before, "after": before, "none": before}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="this kernel has no scheduler autogroups")
+def test_set_group_nice_sets_a_sessions_autogroup_and_never_the_callers_own() -> None:
+    """With autogroups on, the kernel shares the CPU between sessions before threads: a cell (its
+    own session) at thread nice -10 weighed no more than the raylets' session beside it (issue 29)."""
+    code = "import time; print(1, flush=True); time.sleep(30)"
+    own = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
+    same = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)  # this session's
+    try:
+        assert own.stdout.readline().strip() == b"1" and same.stdout.readline().strip() == b"1"
+        mine = procs.autogroup(os.getpid())
+        assert procs.autogroup(same.pid) == mine and procs.autogroup(own.pid)[0] != mine[0]
+        got = procs.set_group_nice([own.pid, same.pid, 999999999], 7)
+        assert got == [procs.autogroup(own.pid)[0]] and procs.autogroup(own.pid)[1] == 7, got
+        assert procs.autogroup(os.getpid()) == mine  # the caller's own group is left alone
+        assert procs.set_nice([own.pid], 3, group=0) == len(psutil.Process(own.pid).threads())
+        assert procs.autogroup(own.pid)[1] == 0 and os.getpriority(os.PRIO_PROCESS, own.pid) == 3
+    finally:
+        for p in (own, same):
+            p.kill()
+            p.wait()

@@ -46,5 +46,20 @@ def test_sglang_worker_moves_under_load(relocator_cluster, tiny_model_dir) -> No
         clean(load)
         after = next(x for x in ctl.status()["workers"] if x["id"] == w["id"])
         assert (after["node"], after["cell"], after["state"]) == (moved["node"], moved["cell"], "running")
+        # make-before-break (issue 29): a second SGLang copy, warmed up from the router's streams
+        # (SGLang's radix cache keeps their KV), takes the streams; the source is never frozen
+        res = relocate_under_load(ctl, w["id"], None, w["model"], concurrency=4, max_tokens=128,
+                                  transfer="handoff", stagger=True)
+        rel, load = res["relocation"], res["load"]
+        assert rel["result"] == "done", why_not_done(rel)
+        clean(load)
+        full = ctl.get_relocation(rel["id"])
+        restore = next(p["info"] for p in full["phases"] if p["name"] == "RESTORE")
+        assert restore["source_frozen_s"] == 0.0 and restore["warmup_rounds"] >= 1, restore
+        assert restore["recomputed_tokens"] > 0, restore
+        handed = next(x for x in ctl.status()["workers"] if x["id"] == w["id"])
+        assert handed["node"] != after["node"] and handed["state"] == "running", handed
+        print("sglang handoff", rel["phases"], "blackout", load["blackout_max_s"], "start", restore.get("start_s"),
+              "warm", restore.get("warm"))
     finally:
         ctl.stop_worker(w["id"])

@@ -81,11 +81,15 @@ def test_renice_sets_every_thread_of_the_tree_and_never_raises(monkeypatch) -> N
             return [10, 11]
 
     got: list = []
-    monkeypatch.setattr(lowstart.procs, "set_nice", lambda pids, nice: got.append((pids, nice)) or 7)
-    assert lowstart.renice(Cell(), 19) == 7 and got == [([10, 11], 19)]
+    monkeypatch.setattr(lowstart.procs, "set_nice", lambda pids, nice, group=None: got.append((pids, nice, group)) or 7)
+    assert lowstart.renice(Cell(), 19) == 7 and got == [([10, 11], 19, 19)]  # the session too
     assert lowstart.renice(Cell(), None) == 0 and len(got) == 1  # None: nothing asked
+    normal = lowstart.normal_nice()
+    assert lowstart.renice(Cell(), normal) == 7 and got[-1] == ([10, 11], normal, 0)  # every session's 0
+    assert lowstart.set_priority(Cell(), None) == 7 and got[-1] == ([10, 11], normal, 0)
+    assert lowstart.set_priority(Cell(), -10) == 7 and got[-1] == ([10, 11], -10, -10)
 
-    def broken(pids, nice):
+    def broken(pids, nice, group=None):
         raise OSError("gone")
 
     monkeypatch.setattr(lowstart.procs, "set_nice", broken)

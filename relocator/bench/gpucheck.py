@@ -282,10 +282,9 @@ class LocalCalls:
 
     def prioritize(self, node: str, cell_id: str, nice: int | None) -> int:
         """As the agent's (HandoffOps.prioritize), on this process's cells: None is normal again."""
-        from relocator import procs
-        from relocator.warm.lowstart import normal_nice
+        from relocator.warm.lowstart import set_priority
 
-        return procs.set_nice(self.cells[cell_id].pids(), normal_nice() if nice is None else nice)
+        return set_priority(self.cells[cell_id], nice)
 
     def router_streams(self, worker_id: str) -> list[dict]:
         return self.rc.streams(worker_id)

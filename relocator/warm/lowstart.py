@@ -26,13 +26,27 @@ def normal_nice() -> int:
     return os.getpriority(os.PRIO_PROCESS, os.getpid())
 
 
+def group_nice(nice: int) -> int:
+    """The autogroup nice that goes with a copy's thread nice `nice`: 0 (every session's) for the
+    normal one (normal_nice), else `nice` itself. The kernel weighs sessions against each other
+    first (autogroups), so a thread nice alone moves a cell only against its own threads."""
+    return 0 if nice == normal_nice() else nice
+
+
+def set_priority(cell: Any, nice: int | None) -> int:
+    """`cell`'s threads at `nice` and its session at group_nice(nice); None: normal again
+    (normal_nice, the agent's own); the threads changed (a handoff's source and target)."""
+    nice = normal_nice() if nice is None else nice
+    return procs.set_nice(cell.pids(), nice, group=group_nice(nice))
+
+
 def renice(cell: Any, nice: int | None) -> int:
-    """Every thread of `cell`'s tree at `nice` (None: nothing); the threads changed. Best
-    effort: a start never fails for it (logged)."""
+    """Every thread of `cell`'s tree at `nice`, and its session's autogroup at group_nice(nice)
+    (None: nothing); the threads changed. Best effort: a start never fails for it (logged)."""
     if nice is None:
         return 0
     try:
-        return procs.set_nice(cell.pids(), nice)
+        return procs.set_nice(cell.pids(), nice, group=group_nice(nice))
     except Exception as exc:  # noqa: BLE001 - a priority is never worth a failed start
         log.warning("cell %s not set to nice %d: %s", getattr(cell, "id", "?"), nice, exc)
         return 0
@@ -51,4 +65,4 @@ def captured_at_normal(cell: Any, nice: int | None, capture: Callable[[], T]) ->
         renice(cell, nice)
 
 
-__all__ = ["captured_at_normal", "normal_nice", "renice"]
+__all__ = ["captured_at_normal", "group_nice", "normal_nice", "renice", "set_priority"]

@@ -71,11 +71,11 @@ class HandoffOps(ModeBase):
         """Give the cell's every thread the nice value `nice` (a handoff's source, favoured over
         the target copy starting next to it); None: normal again, this agent's own nice, what
         every copy it starts has (Ray's workers run at 15, not 0); the threads changed."""
-        from relocator import procs
         from relocator.cell.cell import load_cell
-        from relocator.warm.lowstart import normal_nice
+        from relocator.warm.lowstart import set_priority
 
-        return procs.set_nice(load_cell(cell_id).pids(), normal_nice() if nice is None else nice)
+        # and the cell's session (autogroup): sessions share the CPU first, threads within them
+        return set_priority(load_cell(cell_id), nice)
 
     def prefill(self, endpoint: str, model: str, sequences: list[list[int]],
                 engine: str | None = None) -> dict[str, Any]:
