@@ -127,6 +127,33 @@ def set_group_nice(pids: list[int], nice: int) -> list[str]:
     return done
 
 
+def cgroup_of(pid: int | None = None, tid: int | None = None, controller: str = "cpu") -> str | None:
+    """The cgroup v1 path ("/", "/a/b") of `controller` for thread `tid` of `pid` (cgroup v1
+    places threads one by one); both None: the calling thread; `tid` None: `pid`'s main thread.
+    None: gone, or no such hierarchy."""
+    if pid is None:
+        path = Path("/proc/thread-self/cgroup")
+    else:
+        path = Path(f"/proc/{pid}/task/{tid or pid}/cgroup")
+    try:
+        for line in path.read_text().splitlines():
+            _, ctrls, where = line.split(":", 2)
+            if controller in ctrls.split(","):
+                return where
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def thread_ids(pid: int) -> list[int]:
+    """The thread ids of `pid`; [] if gone."""
+    p = _proc(pid)
+    try:
+        return [t.id for t in p.threads()] if p else []
+    except _GONE:
+        return []
+
+
 def set_nice(pids: list[int], nice: int, group: int | None = None) -> int:
     """Set the nice value of every thread of `pids` (Linux schedules threads: a process's
     setpriority moves its main thread only), and with `group` their autogroups' (set_group_nice);

@@ -235,12 +235,12 @@ def test_warm_up_bookkeeping_counts_hits_and_recomputed_tokens() -> None:
 
 
 def test_the_engines_cached_token_count_is_read_when_it_says_it() -> None:
-    from relocator.agent.modes.handoff import cached_tokens, prefill_body
+    from relocator.agent.modes.handoff import cached_tokens, prefill_request
 
     assert cached_tokens(b'{"usage": {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 8}}}') == 8
     assert cached_tokens(b'{"usage": {"prompt_tokens": 9}}') == 0
     assert cached_tokens(b"not json") == 0
-    assert prefill_body("m", [1, 2])["max_tokens"] == 1
+    assert prefill_request("m", [1, 2])[1]["max_tokens"] == 1
 
 
 def test_a_handoffs_blackout_is_its_switch_only() -> None:

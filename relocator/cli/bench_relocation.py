@@ -271,6 +271,8 @@ def _measure(ctl, wid: str, dst: str, transfer: str, streams: int, max_tokens: i
         "target_start_s": restore.get("start_s"), "target_warm_start": restore.get("warm"),
         # handoff: the target's nice while it started, and whether it was set back to 0 after
         "target_nice": restore.get("target_nice"), "target_normal_priority": restore.get("target_normal_priority"),
+        # the CPUs its warm start could take at most (relocator/cpucap.py; None: not capped)
+        "target_cpu_cap": restore.get("start_cpu_cap"),
         # the on-demand copy of the warm image that began the target's start (None: none needed)
         "target_copy_s": (restore.get("start_copy") or {}).get("seconds"),
         # how it went: "local" (a peer's store on this host, read in place), "ray" (object stores)

@@ -20,9 +20,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from relocator.cpucap import this_thread_capped
 from relocator.procs import this_thread_niced
 from relocator.warm.config import WarmConfig
-from relocator.warm.lowstart import captured_at_normal, renice
+from relocator.warm.lowstart import START_CPUS, captured_at_normal, renice
 
 log = logging.getLogger("relocator.warm")
 #: how long a start waits for the filing of its kind's image in progress (seconds)
@@ -73,7 +74,17 @@ class WarmStarts:
 
     def _restore(self, cfg: WarmConfig, spec, engine: str, cell_id: str, gpu_ids: list[int] | None,
                  ready_timeout: float, nice: int | None = None) -> tuple[Any, dict[str, Any]]:
-        """The warm copy, ready, or (None, why it starts cold)."""
+        """The warm copy, ready, or (None, why it starts cold). A low start (`nice` given) is
+        capped at START_CPUS from its copy to its ready answer (relocator/cpucap.py); the restored
+        tree stays capped until the caller sets it back to normal (lowstart.set_priority)."""
+        with this_thread_capped(START_CPUS if nice is not None else None) as capped:
+            cell, warm = self._restore_warm(cfg, spec, engine, cell_id, gpu_ids, ready_timeout, nice)
+        if capped and cell is not None:
+            warm["cpu_cap"] = START_CPUS
+        return cell, warm
+
+    def _restore_warm(self, cfg: WarmConfig, spec, engine: str, cell_id: str, gpu_ids: list[int] | None,
+                      ready_timeout: float, nice: int | None = None) -> tuple[Any, dict[str, Any]]:
         from relocator.cell.cell import CellError
         from relocator.snapshot.criu import CriuError
         from relocator.snapshot.manifest import ImageError

@@ -14,10 +14,17 @@ import logging
 import os
 from typing import Any, Callable, TypeVar
 
-from relocator import procs
+from relocator import cpucap, procs
 
 log = logging.getLogger("relocator.warm")
 T = TypeVar("T")
+
+
+#: a low start from a warm image (its copy from a peer, CRIU's restore, the ready wait) takes at
+#: most this many CPUs (relocator/cpucap.py): at nice 19 the copy and the restore beside a serving
+#: source still took 0.3-1 CPU of the reference's 2, and the clients saw 0.6-1.3 s gaps (issue 29).
+#: A cold start is not capped (a minute's work at a quarter CPU would outlast its ready wait).
+START_CPUS = 0.25
 
 
 def normal_nice() -> int:
@@ -35,9 +42,13 @@ def group_nice(nice: int) -> int:
 
 def set_priority(cell: Any, nice: int | None) -> int:
     """`cell`'s threads at `nice` and its session at group_nice(nice); None: normal again
-    (normal_nice, the agent's own); the threads changed (a handoff's source and target)."""
+    (normal_nice, the agent's own, and out of a low start's CPU cap); the threads changed (a
+    handoff's source and target)."""
+    pids = cell.pids()
+    if nice is None:  # normal again: out of a low start's CPU cap too
+        cpucap.release(pids)
     nice = normal_nice() if nice is None else nice
-    return procs.set_nice(cell.pids(), nice, group=group_nice(nice))
+    return procs.set_nice(pids, nice, group=group_nice(nice))
 
 
 def renice(cell: Any, nice: int | None) -> int:
@@ -65,4 +76,4 @@ def captured_at_normal(cell: Any, nice: int | None, capture: Callable[[], T]) ->
         renice(cell, nice)
 
 
-__all__ = ["captured_at_normal", "group_nice", "normal_nice", "renice", "set_priority"]
+__all__ = ["START_CPUS", "captured_at_normal", "group_nice", "normal_nice", "renice", "set_priority"]

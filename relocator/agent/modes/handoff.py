@@ -30,11 +30,6 @@ def prefill_request(model: str, ids: list[int], engine: str = DEFAULT_ENGINE) ->
     return get_codec(engine).prefill_request(model, ids)
 
 
-def prefill_body(model: str, ids: list[int], engine: str = DEFAULT_ENGINE) -> dict[str, Any]:
-    """The body of `prefill_request`."""
-    return prefill_request(model, ids, engine)[1]
-
-
 def cached_tokens(body: bytes, engine: str = DEFAULT_ENGINE) -> int:
     """The prompt tokens `engine` found in its prefix cache, from its answer `body` (vLLM and the
     reference engine: usage.prompt_tokens_details.cached_tokens; SGLang: meta_info.cached_tokens);
@@ -93,4 +88,4 @@ class HandoffOps(ModeBase):
                 "seconds": round(time.monotonic() - t0, 4), "engine": engine}
 
 
-__all__ = ["HandoffOps", "cached_tokens", "engine_at", "prefill_body", "prefill_one", "prefill_request"]
+__all__ = ["HandoffOps", "cached_tokens", "engine_at", "prefill_one", "prefill_request"]

@@ -250,7 +250,7 @@ class HandoffTransfer(TransferStrategy):
         ctx.save(rel)  # a failure from here on kills the target copy (rollback)
         how = info.get("warm") or {}  # the agent's launch: {how: warm|cold, key, reason, capture}
         start = {"start_s": round(time.monotonic() - t0, 4), "warm": how.get("how") == "warm",
-                 "start_why": how.get("reason", ""),
+                 "start_why": how.get("reason", ""), "start_cpu_cap": how.get("cpu_cap"),
                  # the on-demand copy of its warm image from a peer, first in the start (or None)
                  "start_copy": how.get("copied")}
         start["target_normal_priority"] = to_normal(ctx.backend, rel)  # it warms up, then serves
