@@ -177,8 +177,11 @@ def test_handoff_moves_without_freezing_the_source(env) -> None:
     # warms up and serves, and again at RELEASE (never left low)
     assert be.started_at == [TARGET_NICE] and TARGET_NICE > 0
     # None: normal, the agent's own nice (what every copy it starts has)
-    assert be.nice == [("n1", "c1", SOURCE_NICE), ("n2", "w1-r1", None), ("n2", "w1-r1", None)] \
+    # the source from RESERVE on (before the target's GPUs are held), and again at RESTORE
+    assert be.nice == [("n1", "c1", SOURCE_NICE)] * 2 + [("n2", "w1-r1", None), ("n2", "w1-r1", None)] \
         and SOURCE_NICE < 0, be.nice
+    first = next(i for i, c in enumerate(be.calls) if c[0] == "prioritize")
+    assert first < names.index("reserve"), be.calls
     prio = [i for i, c in enumerate(be.calls) if c[0] == "prioritize" and c[1] == "n2"]
     assert prio[0] < names.index("prefill") and prio[-1] > names.index("switch"), be.calls
     assert info["target_normal_priority"] is True and rel.phases[-1]["info"]["target_normal_priority"] is True

@@ -255,6 +255,7 @@ class Machine:
         return out
 
     def _reserve(self, rel: Relocation, w: WorkerRecord) -> dict:
+        transfers.strategy(rel.transfer).before_reserve(self, rel)
         rel.reservation = f"relocator-{w.id}-{rel.id}"
         self.save(rel)
         rel.dst_gpu_ids = list(self.backend.reserve(w, rel.dst, rel.reservation) or [])

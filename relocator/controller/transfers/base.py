@@ -102,6 +102,11 @@ class TransferStrategy:
     def rollback(self, rel: "Relocation", worker: "WorkerRecord") -> None:
         """The worker record points back at the source: restore what the mode changed on it."""
 
+    def before_reserve(self, ctx: Context, rel: "Relocation") -> None:
+        """First thing in RESERVE, before the target's GPUs are held (a handoff favours its
+        source from here: Ray starts a worker process on the target's node for the
+        reservation). Best effort: must not raise; a rollback calls `source_back`."""
+
     def source_back(self, ctx: Context, rel: "Relocation") -> None:
         """A rollback left the source serving (resumed, or never stopped): undo what the mode did
         to the source's copy itself (a handoff's raised priority). Best effort: must not raise."""

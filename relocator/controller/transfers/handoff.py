@@ -240,8 +240,9 @@ class HandoffTransfer(TransferStrategy):
         worker = ctx.store.worker(rel.worker)
         if worker is None:
             raise PlanError(f"unknown worker {rel.worker!r}")
-        # the source keeps its CPUs while the target starts; a failure from here on rolls back,
-        # and source_back puts its priority back
+        # the source keeps its CPUs while the target starts (again: RESERVE's before_reserve set
+        # it, a controller restart may not have); a failure from here on rolls back, and
+        # source_back puts its priority back
         favour(ctx.backend, rel, SOURCE_NICE)
         t0 = time.monotonic()
         # started at low priority: its start must not take the serving source's CPU
@@ -288,6 +289,11 @@ class HandoffTransfer(TransferStrategy):
         if reach:
             out["router_reach_s"] = reach.get("seconds")
         return out
+
+    def before_reserve(self, ctx: Context, rel: "Relocation") -> None:
+        # from RESERVE on: the reservation's own work on a shared host (Ray starts a worker
+        # process for it, ~1 CPU-second) made a 0.7-1.0 s client gap before the target existed
+        favour(ctx.backend, rel, SOURCE_NICE)
 
     def source_back(self, ctx: Context, rel: "Relocation") -> None:
         favour(ctx.backend, rel, None)  # rolled back: the source serves on at its own priority
