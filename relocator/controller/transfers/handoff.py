@@ -57,7 +57,8 @@ INEXACT_ENGINES = {
                "reference (tests/test_sglang_relocation.py, 2026-12-04: 24 tokens and 3 texts differed "
                "in 81 requests, where its freezing moves, which keep the source's own KV, differed in none): "
                "the target's KV comes from SGLang's prefill kernels, the source's from decoding, and the "
-               "tiny model's near-tie logits flip on the difference (docs/handoff.md, Limits)"),
+               "tiny model's near-tie logits flip on the difference; an uncached continuation on one "
+               "server, with no move, differed too (docs/handoff.md, Limits)"),
 }
 #: how long streams that cannot be continued exactly may finish on the source after SWITCH
 #: (the default of config controller.handoff_window_s)
