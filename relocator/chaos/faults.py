@@ -47,6 +47,11 @@ class Fault:
     # "serving again" target for this fault when not the run's (a worker lost for good is
     # replaced: from its last kept image in seconds, cold in tens of seconds)
     serve_target_s: float | None = None
+    # it acts on what only a freezing move has (its DUMP, its image, CRIU's restore of it): under
+    # a run's `--transfer handoff` its move is `shared` (steps.move_transfer), else it would ride
+    # on a handoff and never be injected (the first `--transfer handoff --faults all` run: 3 not
+    # injected, and a target killed in its start counted as the worker not serving)
+    freezing: bool = False
     # in `--smoke` (CI's chaos smoke): the handoff's are not (each starts a second copy: 20-60 s
     # more per fault on the CPU reference); `--faults all` and by name run them
     smoke: bool = True
@@ -62,7 +67,7 @@ class Fault:
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("kill-source-agent", "DUMP", ("rolled_back",),
-          "SIGKILL the source node's agent actor (ray.kill) while CRIU dumps its cell"),
+          "SIGKILL the source node's agent actor (ray.kill) while CRIU dumps its cell", freezing=True),
     Fault("cut-transfer", "DUMP", ("rolled_back",),
           "streamed transfer: SIGKILL the target's page server (criu page-server) while the dump "
           "streams the worker's memory into it; the dump fails, the source runs on",
@@ -70,16 +75,16 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("flip-byte", "RESTORE", ("rolled_back",),
           "flip one byte in the middle of the largest image file after DUMP, before RESTORE "
           "verifies it (the controller pauses 1 s before RESTORE: `pause` fault hook)",
-          controller_faults=(("pause", (("phase", "RESTORE"), ("s", 1.0))),)),
+          controller_faults=(("pause", (("phase", "RESTORE"), ("s", 1.0))),), freezing=True),
     Fault("kill-target-cell", "RESTORE", ("rolled_back", "done"),
           "SIGKILL the cell being restored on the target (the tasks under `criu restore`, or "
           "the restored cell's init) while RESTORE runs. Usually rolled back; a kill that lands "
           "while CRIU is still building the tree was seen to leave a restore that succeeds and a "
           "move that completes (not investigated further). Either way the worker must serve "
-          "(checked), and the controller re-checks the target before and after SWITCH"),
+          "(checked), and the controller re-checks the target before and after SWITCH", freezing=True),
     Fault("kill-controller", "DUMP", ("rolled_back",),
           "SIGKILL the controller actor's process during DUMP; Ray restarts it and it recovers "
-          "the open relocation"),
+          "the open relocation", freezing=True),
     Fault("kill-controller-switch", "SWITCH", ("done",),
           "SIGKILL the controller actor's process when SWITCH starts (pause 0.5 s before "
           "SWITCH); the restarted controller completes the move",

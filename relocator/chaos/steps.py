@@ -13,6 +13,7 @@ from relocator import waits
 from relocator.chaos.budget import Watch
 from relocator.chaos.config import MODEL, ChaosConfig
 from relocator.chaos.faults import FAULTS, Step, StepKind
+from relocator.vocab import TransferMode
 from relocator.chaos.hosts import LocalView
 from relocator.chaos.injector import Injector
 from relocator.chaos.probe import _post_ok, _Probe
@@ -199,8 +200,23 @@ def _move_record(step: Step, rid: str, worker: dict, dst: str, rel: dict, w: dic
 
 def move_transfer(fault: Any, cfg: ChaosConfig) -> str | None:
     """A move's transfer mode: its fault's (cut-transfer streams, the handoff's hand off), else the
-    run's `--transfer`, else None (the controller's default)."""
-    return (fault.transfer if fault is not None and fault.transfer else None) or cfg.transfer
+    run's `--transfer`, else None (the controller's default); a freezing fault's move under a
+    run's mode that freezes nothing (`handoff`) is `shared`."""
+    if fault is not None and fault.transfer:
+        return fault.transfer
+    if fault is not None and fault.freezing and cfg.transfer and not _freezes(cfg.transfer):
+        return TransferMode.SHARED
+    return cfg.transfer
+
+
+def _freezes(mode: str) -> bool:
+    """Whether `mode` freezes the source (`auto`: may not, it may hand off)."""
+    from relocator.controller import transfers
+
+    try:
+        return TransferMode(mode) in transfers.STRATEGIES and transfers.strategy(TransferMode(mode)).freezes_source
+    except ValueError:
+        return False
 
 
 def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConfig, say,
