@@ -162,12 +162,7 @@ def set_nice(pids: list[int], nice: int, group: int | None = None) -> int:
         set_group_nice(pids, group)
     n = 0
     for pid in pids:
-        p = _proc(pid)
-        try:
-            tids = [t.id for t in p.threads()] if p else []
-        except _GONE:
-            continue
-        for tid in tids:
+        for tid in thread_ids(pid):
             try:
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
                 n += 1

@@ -270,14 +270,22 @@ class Injector:
     def _handoff_kill_source_warmup(self, rel: dict, still) -> None:
         self._handoff_kill(still, "src")
 
+    def _in_switch(self, rel: dict, still, after_s: float) -> tuple[dict, float] | None:
+        """(the move, when SWITCH started) once `after_s` into SWITCH, if it is still there."""
+        started = float((rel.get("phases") or [{}])[-1].get("started") or time.time())
+        time.sleep(max(0.0, started + after_s - time.time()))
+        r = still()
+        if r.get("phase") != "SWITCH" or r.get("result") != "running":
+            return None
+        return r, started
+
     def _handoff_kill_target_switch(self, rel: dict, still) -> None:
         """The target copy, right after the pause before SWITCH: the controller's check of the
         target has passed, the router's catch-up and cut are under way."""
-        started = float((rel.get("phases") or [{}])[-1].get("started") or time.time())
-        time.sleep(max(0.0, started + self._pause_s() + 0.05 - time.time()))
-        r = still()
-        if r.get("phase") != "SWITCH" or r.get("result") != "running":
+        found = self._in_switch(rel, still, self._pause_s() + 0.05)
+        if found is None:
             return
+        r, started = found
         init = self._cell_init(r["dst"], r["dst_cell"])
         if init and _kill(init):
             self._mark(killed="target copy", pid=init, window="switch",
@@ -286,11 +294,12 @@ class Injector:
     def _handoff_network_cut_switch(self, rel: dict, still) -> None:
         """Cut the router off the target copy halfway through the pause before SWITCH (the
         controller's check of the target has passed; the router's call comes next)."""
-        started = float((rel.get("phases") or [{}])[-1].get("started") or time.time())
-        time.sleep(max(0.0, started + self._pause_s() / 2 - time.time()))
-        r = still()
+        found = self._in_switch(rel, still, self._pause_s() / 2)
+        if found is None:
+            return
+        r, started = found
         url = urlsplit(r.get("dst_endpoint") or "")
-        if r.get("phase") != "SWITCH" or r.get("result") != "running" or not url.hostname or not url.port:
+        if not url.hostname or not url.port:
             return
         host, port = url.hostname, str(url.port)
         # the router's requests to the target leave through OUTPUT (loopback or the emulated

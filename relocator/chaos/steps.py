@@ -13,10 +13,10 @@ from relocator import waits
 from relocator.chaos.budget import Watch
 from relocator.chaos.config import MODEL, ChaosConfig
 from relocator.chaos.faults import FAULTS, Step, StepKind
-from relocator.vocab import TransferMode
 from relocator.chaos.hosts import LocalView
 from relocator.chaos.injector import Injector
 from relocator.chaos.probe import _post_ok, _Probe
+from relocator.vocab import TransferMode
 
 
 #: the budgets of the run whose steps this thread runs (run_chaos's step thread sets it): the
@@ -214,9 +214,10 @@ def _freezes(mode: str) -> bool:
     from relocator.controller import transfers
 
     try:
-        return TransferMode(mode) in transfers.STRATEGIES and transfers.strategy(TransferMode(mode)).freezes_source
+        strategy = transfers.STRATEGIES.get(TransferMode(mode))
     except ValueError:
         return False
+    return strategy is not None and strategy.freezes_source
 
 
 def one_move(ctl, base: Path, step: Step, worker: dict, dst: str, cfg: ChaosConfig, say,
