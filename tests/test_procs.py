@@ -165,6 +165,22 @@ def test_this_thread_niced_sets_and_restores_only_this_thread() -> None:
     assert seen == {"inside": 15, "main": before, "after": before, "none": before}
 
 
+def _autogroup_text(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/autogroup") as f:
+            return f.read().strip()
+    except OSError as exc:
+        return str(exc)
+
+
+def _autogroups_enabled() -> str:
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            return f.read().strip()
+    except OSError:
+        return "absent"
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="this kernel has no scheduler autogroups")
 def test_set_group_nice_sets_a_sessions_autogroup_and_never_the_callers_own() -> None:
     """With autogroups on, the kernel shares the CPU between sessions before threads: a cell (its
@@ -174,8 +190,14 @@ def test_set_group_nice_sets_a_sessions_autogroup_and_never_the_callers_own() ->
     same = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)  # this session's
     try:
         assert own.stdout.readline().strip() == b"1" and same.stdout.readline().strip() == b"1"
+        if procs.autogroup(own.pid) is None:  # a machine's fact, not a race: the file reads empty
+            pytest.skip(f"this kernel shows no autogroup for a new session ({_autogroup_text(own.pid)!r};"
+                        f" sched_autogroup_enabled {_autogroups_enabled()!r}): nothing to set")
+        # None: this process is in the kernel's default group (no session leader above it since
+        # boot; the fresh CI machine's case), which set_group_nice cannot change either
         mine = procs.autogroup(os.getpid())
-        assert procs.autogroup(same.pid) == mine and procs.autogroup(own.pid)[0] != mine[0]
+        assert procs.autogroup(same.pid) == mine
+        assert mine is None or procs.autogroup(own.pid)[0] != mine[0]
         got = procs.set_group_nice([own.pid, same.pid, 999999999], 7)
         assert got == [procs.autogroup(own.pid)[0]] and procs.autogroup(own.pid)[1] == 7, got
         assert procs.autogroup(os.getpid()) == mine  # the caller's own group is left alone
