@@ -114,20 +114,37 @@ def test_a_stored_state_comes_back_as_the_enum_and_edges_are_checked(store: Stor
 
 
 # -- nodes -------------------------------------------------------------------------------------
-def test_nodes_a_lost_node_is_announced_and_fenced_once(store: Store, tmp_path: Path) -> None:
+def test_nodes_a_lost_node_is_announced_once_and_its_cells_fenced_as_they_appear(store: Store, tmp_path: Path) -> None:
     from relocator.controller.nodes import NodeManager
 
     table = {"n1": NodeInfo("n1", "r1", 4, 4), "n2": NodeInfo("n2", "r2", 4, 4, alive=False)}
     agents, ev, claims = Agents(), Events(), Claims()
+    fenced: list[list[str]] = []
+
+    def fence(node: str, cells: list[str]) -> dict:  # kills and removes them, one from another boot
+        fenced.append(cells)
+        for c in cells:
+            if c != "w8-old":
+                (tmp_path / node / "state" / "cells" / c).rmdir()
+        return {"killed": [c for c in cells if c != "w8-old"], "unreachable": [c for c in cells if c == "w8-old"]}
+
+    agents.fence = fence
     pgs = [{"name": "relocator-w1", "state": "CREATED"}, {"name": "relocator-old", "state": "CREATED"},
            {"name": "other", "state": "CREATED"}]
     store.save_worker(worker("w1", "n1"))
     nodes = NodeManager(store, agents, claims, ev, lambda n: tmp_path / n, list_nodes=lambda known, named: table,
                         placement_groups=lambda: pgs)
+    cells = tmp_path / "n2" / "state" / "cells"
+    for c in ("w5-x1", "w8-old"):
+        (cells / c).mkdir(parents=True)
     nodes.update()
     nodes.update()
     assert ev.kinds() == ["node_lost"] and claims.wake.is_set()
-    assert [c[0] for c in agents.calls if c[0] == "fence"] == ["fence"]  # once, however many rounds
+    assert fenced == [["w5-x1", "w8-old"]]  # once each, however many rounds
+    # its agent outlived its raylet and went on with a start: the cell appears after the fence
+    (cells / "w6-r1").mkdir()
+    nodes.update()
+    assert fenced == [["w5-x1", "w8-old"], ["w6-r1"]]
     assert agents.names().count("gpus") == 1  # the live node's report is kept with its record
     assert store.get("node", "r1")["gpus"] == []
     nodes.update_reservations()

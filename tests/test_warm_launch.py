@@ -141,6 +141,20 @@ def test_a_restored_copy_that_never_serves_is_killed_and_started_cold(fakes, mon
     assert warm["how"] == "cold" and "did not get ready" in warm["reason"]
 
 
+def test_a_fenced_start_does_not_fall_back_to_a_cold_one(fakes, monkeypatch) -> None:
+    # the node was declared lost mid-start (its agent outlived its raylet): no copy of any kind
+    import relocator.warm.start as S
+    from relocator.cell.cell import CellFenced
+
+    def restore(store, key, target):
+        raise CellFenced(f"cell {target.cell_id} was fenced")
+
+    monkeypatch.setattr(S, "restore_warm", restore)
+    with pytest.raises(CellFenced):
+        L.WarmStarts("n1", "/nonexistent").start(None, "vllm", "w1-r1", None, 10)
+    assert fakes["launch"] == []
+
+
 def test_fake_gpu_ids_are_not_part_of_the_kind() -> None:
     a = {"served_model_name": "m", "env": {"CUDA_VISIBLE_DEVICES": "0", "X": "1"}}
     b = {"served_model_name": "m", "env": {"CUDA_VISIBLE_DEVICES": "3", "X": "1"}}

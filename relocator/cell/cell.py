@@ -34,6 +34,11 @@ class CellError(RuntimeError):
     pass
 
 
+class CellFenced(CellError):
+    """A fence (relocator.cell.fence: the cell's node was declared lost) came first: whoever
+    is building the cell must not, and kills what it built."""
+
+
 class CellState(Choice):
     """What a node's agent says of a cell (`cell_state`); LOST is the controller's word for a
     cell on a node Ray declared dead (no agent to ask)."""
@@ -168,6 +173,32 @@ def cells_dir() -> Path:
     return state_dir() / "cells"
 
 
+def fence_marker(cell_id: str, state: Path | None = None) -> Path:
+    """The file a fence of `cell_id` leaves under the state dir (`state`, default this node's):
+    apart from the cell's own directory, so it outlives the records the fence removes. An agent
+    cut off from the controller (its raylet died, the agent not yet) may still be starting the
+    cell: this is how that start learns it must not."""
+    return (state or state_dir()) / "fenced" / cell_id
+
+
+def refuse_if_fenced(cell_id: str) -> None:
+    """Raise CellFenced when `cell_id` was fenced: checked right before a cell is built."""
+    if fence_marker(cell_id).exists():
+        raise CellFenced(f"cell {cell_id} was fenced (its node was declared lost): not built")
+
+
+def record_built(cell: Cell) -> Cell:
+    """Record a cell just built; if a fence of it came first, kill it and raise CellFenced.
+    Recorded before the check: a fence that marks it after the check finds the record."""
+    cell.save()
+    try:
+        refuse_if_fenced(cell.id)
+    except CellFenced:
+        cell.kill()
+        raise
+    return cell
+
+
 def _remove_record(cell_id: str) -> None:
     d = cells_dir() / cell_id
     for f in d.glob("*"):
@@ -231,6 +262,7 @@ def launch_cell(
             raise CellError(f"{path} is under /run or /dev/shm, which a cell replaces with its own tmpfs")
     profile = devices.profile_for(gpu_ids)
     cell_id = cell_id or new_cell_id()
+    refuse_if_fenced(cell_id)
     link = netns.create(f"rl-{cell_id}")
     cdir = cells_dir() / cell_id
     cdir.mkdir(parents=True, exist_ok=True)
@@ -266,5 +298,4 @@ def launch_cell(
         raise CellError(f"cell {cell_id} did not start within {timeout:.0f}s: {tail(cdir / 'init.err', 20)}") from None
     cell = Cell(id=cell_id, netns=link.name, ip=link.cell_ip, port=port, init_pid=int(pid_file.read_text()),
                 engine=engine, launch=launch or {}, devices=profile.to_dict() if profile.gpus else {})
-    cell.save()
-    return cell
+    return record_built(cell)

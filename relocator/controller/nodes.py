@@ -36,7 +36,7 @@ class NodeManager:
         self._nodes: dict[str, NodeInfo] = {}
         self._nodes_at = 0.0
         self.lost: dict[str, float] = {}  # node -> when this controller saw it lost
-        self._fenced: set[str] = set()
+        self._unreachable: set[tuple[str, str]] = set()  # (node, cell) a fence cannot act on
 
     # -- the inventory ------------------------------------------------------------------------
     def inventory(self, refresh: bool = False) -> dict[str, NodeInfo]:
@@ -100,14 +100,14 @@ class NodeManager:
 
     # -- reconcile steps ----------------------------------------------------------------------
     def update(self) -> None:
-        """A live node's agent reports its real GPUs once (kept with the node's record); a node
-        Ray declares dead is fenced once."""
+        """A live node's agent reports its real GPUs once (kept with the node's record); the
+        cells of a node Ray declares dead are fenced, each once it is found."""
         nodes = self.inventory(refresh=True)
         for name, info in nodes.items():
             if info.alive and "gpus" not in (self.store.get("node", info.ray_node_id) or {}):
                 self._ask_gpus(name, info)
         for name, info in nodes.items():
-            if not info.alive and name not in self._fenced:
+            if not info.alive:
                 self._fence(name)
 
     def _ask_gpus(self, name: str, info: NodeInfo) -> None:
@@ -122,15 +122,20 @@ class NodeManager:
 
     def _fence(self, name: str) -> None:
         """What of a lost node runs here and nobody owns is killed (a lost node's copies must
-        never serve again next to their replacements)."""
-        self._fenced.add(name)
+        never serve again next to their replacements). Every round while the node is lost, not
+        once: its agent may outlive its raylet and record a cell after a first fence (a start
+        it was in the middle of); a fence removes what it killed, so each cell is fenced once."""
         with self.claims.lock:
             # only cells nobody owns: a worker's own copy is killed by its replacement, after
             # the router holds its traffic, and a relocation's copies by its rollback
             cells = {c.name for c in (self.node_dir(name) / "state" / "cells").glob("*")}
-            cells -= self.owned_cells()
+            cells -= self.owned_cells() | {c for n, c in self._unreachable if n == name}
+        if not cells:
+            return
         try:
-            log.warning("node %s is lost; fenced: %s", name, self.backend.fence(name, sorted(cells)))
+            out = self.backend.fence(name, sorted(cells))
+            self._unreachable |= {(name, c) for c in out.get("unreachable", [])}
+            log.warning("node %s is lost; fenced: %s", name, out)
         except Exception as exc:  # noqa: BLE001
             log.warning("node %s is lost; fencing failed: %s", name, exc)
 

@@ -21,7 +21,7 @@ from adapters.base import EngineFingerprint, get_adapter
 from relocator import procs
 from relocator.choices import Choice
 from relocator.cell import devices, netns
-from relocator.cell.cell import Cell, CellError, cells_dir, new_cell_id
+from relocator.cell.cell import Cell, CellError, CellFenced, cells_dir, new_cell_id, record_built, refuse_if_fenced
 from relocator.worker import spec_from_dict
 from relocator.snapshot import criu, cuda
 from relocator.snapshot.fingerprint import Fingerprint, Mismatch, compatibility, host_fingerprint
@@ -410,6 +410,7 @@ def restore(image: Image | Path, target: RestoreTarget | None = None, progress: 
     cell_id = target.cell_id or new_cell_id("r")
     marks["compatibility_s"] = time.monotonic() - t
     t = time.monotonic()
+    refuse_if_fenced(cell_id)  # its node was declared lost while the image was checked
     link = netns.create(f"rl-{cell_id}")
     cdir = cells_dir() / cell_id
     cdir.mkdir(parents=True, exist_ok=True)
@@ -420,7 +421,12 @@ def restore(image: Image | Path, target: RestoreTarget | None = None, progress: 
     cell = Cell(id=cell_id, netns=link.name, ip=link.cell_ip, port=manifest.cell.port, init_pid=pid,
                 engine=manifest.cell.engine, launch=manifest.cell.launch, origin=f"restore:{image.path}",
                 devices=target_gpus.to_dict() if target_gpus.gpus else {})
-    cell.save()
+    try:
+        record_built(cell)  # fenced during CRIU's restore: killed again
+    except CellFenced:
+        if lazy is not None:
+            lazy.abort()
+        raise
     if target_gpus.gpus:
         # the image holds the source's device nodes and driver view: give the cell the target's
         devices.retarget(pid, target_gpus)

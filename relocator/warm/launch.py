@@ -85,7 +85,7 @@ class WarmStarts:
 
     def _restore_warm(self, cfg: WarmConfig, spec, engine: str, cell_id: str, gpu_ids: list[int] | None,
                       ready_timeout: float, nice: int | None = None) -> tuple[Any, dict[str, Any]]:
-        from relocator.cell.cell import CellError
+        from relocator.cell.cell import CellError, CellFenced
         from relocator.snapshot.criu import CriuError
         from relocator.snapshot.manifest import ImageError
         from relocator.snapshot.snapshot import IncompatibleImage, RestoreTarget
@@ -105,6 +105,8 @@ class WarmStarts:
             self._wait_filing(key)
             copied, fetch_why = self._fetch_if_missing(cfg, key)
             cell = restore_warm(self.store(cfg), key, RestoreTarget(cell_id=cell_id, gpu_ids=gpu_ids))
+        except CellFenced:  # its node was declared lost: no cold start of it either
+            raise
         except (NoWarmImage, ImageError, IncompatibleImage, CriuError, CellError, NoTmpfsRoom, StoreFull,
                 OSError) as exc:
             why = [f"{type(exc).__name__}: {exc}"]
