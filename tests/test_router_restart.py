@@ -336,3 +336,29 @@ async def test_draining_router_forwards_control_and_closes_keepalive(tmp_path):
         if new is not None:
             await new.stop()
         await fake_runner.cleanup()
+
+
+@pytest.mark.parametrize("session_nice", [None, 3])
+def test_supervised_router_runs_in_its_own_session_with_its_autogroup_niced(tmp_path, session_nice):
+    """With autogroups on, the kernel shares the CPU between sessions first: a router in the
+    daemon's session competed with every Ray process there (issue 29's handoff gaps). Its own
+    session's autogroup gets `session_nice`; None keeps the daemon's session."""
+    from relocator import procs
+    from relocator.cluster.routerproc import RouterSupervisor
+
+    sup = RouterSupervisor(port=0, control_port=free_port(), state_file=tmp_path / "state.json",
+                           log_file=open(tmp_path / "router.log", "ab"), session_nice=session_nice)
+    sup.cmd = [sys.executable, "-c", "import time; time.sleep(30)"]  # the spawn, not a router
+    p = sup.start()
+    try:
+        if session_nice is None:
+            assert os.getsid(p.pid) == os.getsid(0)
+        else:
+            assert os.getsid(p.pid) == p.pid  # a session (and autogroup) of its own
+            group = procs.autogroup(p.pid)
+            if group is not None:  # None: this kernel shows no autogroups (set_group_nice sets none)
+                assert group[1] == session_nice and group[0] != (procs.autogroup(os.getpid()) or ("",))[0]
+    finally:
+        p.kill()
+        p.wait()
+        sup.sock.close()

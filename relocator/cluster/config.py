@@ -41,6 +41,11 @@ class RouterSection(_Section):
     port: int = Field(0, ge=0, le=65535)
     control_port: int = Field(0, ge=0, le=65535)
     control_token: str | None = None
+    # the router runs in a session of its own whose scheduler autogroup gets this nice (None: it
+    # shares the daemon's session with Ray's processes): with autogroups on, the kernel shares the
+    # CPU between sessions first, and on a small host the router, the data path, competed inside
+    # one group with every Ray process of the control plane (issue 29's handoff gaps)
+    session_nice: int | None = Field(-5, ge=-20, le=19)
 
 
 class ConsolidateSection(_Section):

@@ -84,7 +84,7 @@ def _start_router(cfg: LocalConfig, base: Path) -> tuple[RouterSupervisor, int]:
         renv["RELOCATOR_ROUTER_CONTROL_TOKEN"] = cfg.router.control_token
     routers = RouterSupervisor(port=cfg.router.port, control_port=control_port, state_file=state_file,
                                log_file=open(base / "router.log", "ab"), env=renv, cwd=REPO,
-                               extra_args=["--log-level", "info"])
+                               extra_args=["--log-level", "info"], session_nice=cfg.router.session_nice)
     routers.install_signal()  # before the first router can be SIGTERMed
     routers.start()
     return routers, control_port

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import IO
 
+from relocator import procs
+
 log = logging.getLogger("relocator.cluster")
 
 
@@ -40,7 +42,8 @@ class RouterSupervisor:
 
     def __init__(self, *, port: int, control_port: int, state_file: Path, log_file: IO[bytes],
                  env: dict[str, str] | None = None, cwd: str | Path | None = None,
-                 extra_args: list[str] | None = None, host: str = "127.0.0.1") -> None:
+                 extra_args: list[str] | None = None, host: str = "127.0.0.1",
+                 session_nice: int | None = None) -> None:
         self.sock = listening_socket(port, host)
         self.port = self.sock.getsockname()[1]
         self.control_port = control_port
@@ -58,6 +61,7 @@ class RouterSupervisor:
         self.router: subprocess.Popen | None = None
         self.draining: list[subprocess.Popen] = []
         self.restarts = 0
+        self.session_nice = session_nice
 
     def install_signal(self) -> None:
         signal.signal(signal.SIGUSR1, lambda *_: self.handed_over.set())
@@ -67,8 +71,16 @@ class RouterSupervisor:
         return self.router
 
     def _spawn(self) -> subprocess.Popen:
-        return subprocess.Popen(self.cmd, cwd=self.cwd, env=self.env, pass_fds=(self.sock.fileno(),),
-                                stdin=subprocess.DEVNULL, stdout=self.log_file, stderr=subprocess.STDOUT)
+        own_session = self.session_nice is not None
+        p = subprocess.Popen(self.cmd, cwd=self.cwd, env=self.env, pass_fds=(self.sock.fileno(),),
+                             stdin=subprocess.DEVNULL, stdout=self.log_file, stderr=subprocess.STDOUT,
+                             start_new_session=own_session)
+        if own_session:
+            # its own autogroup, weighed before the Ray processes of this session (config.py)
+            if not procs.set_group_nice([p.pid], int(self.session_nice)):
+                log.info("router %d: its session's autogroup nice not set (no autogroup here, or not"
+                         " permitted); it runs at the default weight", p.pid)
+        return p
 
     def poll(self) -> bool:
         """Reap drained routers; start a replacement for one that handed over or died.
