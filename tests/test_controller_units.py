@@ -99,6 +99,12 @@ def test_config_file_env_and_overrides(monkeypatch, tmp_path: Path) -> None:
     assert cfg.controller.transfer == "stream"
     with pytest.raises(Exception):
         LocalConfig.load(f, controller={"transfer": "carrier-pigeon"})
+    assert cfg.router.session_nice == -5  # the router in a session of its own, favoured
+    monkeypatch.setenv("RELOCATOR_ROUTER__SESSION_NICE", "null")  # the daemon's session (None)
+    assert LocalConfig.load(f).router.session_nice is None
+    monkeypatch.setenv("RELOCATOR_ROUTER__SESSION_NICE", "-30")  # beyond nice's range
+    with pytest.raises(Exception):
+        LocalConfig.load(f)
 
 
 def test_agent_forgets_dead_cells_and_readopts_live_ones(tmp_path: Path, monkeypatch) -> None:

@@ -83,7 +83,8 @@ class ControllerSection(_Section):
 
 
 class LocalConfig(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="RELOCATOR_", env_nested_delimiter="__", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="RELOCATOR_", env_nested_delimiter="__", extra="ignore",
+                                      env_parse_none_str="null")  # RELOCATOR_ROUTER__SESSION_NICE=null
 
     cluster: ClusterSection = ClusterSection()
     router: RouterSection = RouterSection()
