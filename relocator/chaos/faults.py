@@ -82,9 +82,15 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "while CRIU is still building the tree was seen to leave a restore that succeeds and a "
           "move that completes (not investigated further). Either way the worker must serve "
           "(checked), and the controller re-checks the target before and after SWITCH", freezing=True),
+    # serving again: the source stays frozen until its dump has ended (CRIU holds its tasks until
+    # it finishes, and the agent's resume waits for it: killing a dump mid-way is not safe for
+    # them), so the worker serves again when the move's own freeze would have ended. The restarted
+    # controller recovers in ~0.5 s; a ~1 GB dump takes 3-8 s on the CPU reference (2026-12-06's
+    # handoff chaos run: recovered 0.47 s after the kill, serving again 3.29 s, the dump's end)
     Fault("kill-controller", "DUMP", ("rolled_back",),
           "SIGKILL the controller actor's process during DUMP; Ray restarts it and it recovers "
-          "the open relocation", freezing=True),
+          "the open relocation (the source resumes once its dump has ended)", freezing=True,
+          serve_target_s=8.0),
     Fault("kill-controller-switch", "SWITCH", ("done",),
           "SIGKILL the controller actor's process when SWITCH starts (pause 0.5 s before "
           "SWITCH); the restarted controller completes the move",
@@ -94,7 +100,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "listening socket and starts a new router at once, which loads the persisted routing "
           "table; the old one finishes its streams, following the new one's switches. No request "
           "may fail; serving again is counted from the end of the move's own freeze",
-          spares_worker=True),
+          # a handoff has no DUMP to hold in (5 ms, passed before the fault could act: not
+          # injected in 2026-12-06's handoff chaos run): it rides on a freezing move
+          spares_worker=True, freezing=True),
     Fault("node-loss", "RESTORE", ("rolled_back", "done"),
           "SIGKILL the target node's raylet during RESTORE: the node is gone for good (its "
           "processes keep running on this host, as behind a network partition, until the "
