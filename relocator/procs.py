@@ -285,11 +285,13 @@ def descendants(root: int, table: dict[int, tuple[int, list[str]]]) -> list[int]
     return out
 
 
-def criu_processes(table: dict[int, tuple[int, list[str]]], *needles: str) -> list[int]:
+def criu_processes(table: dict[int, tuple[int, list[str]]], *needles: str, wrapped: bool = False) -> list[int]:
     """PIDs of `criu` runs whose arguments contain every one of `needles` (as whole arguments
-    or inside one)."""
+    or inside one); `wrapped`: also a command that names criu among its arguments, not only as
+    its program (snapshot.criu's `unshare … sh -c … criu restore`, before it exec'd criu)."""
     return [pid for pid, (_, argv) in table.items()
-            if argv and argv[0].endswith("criu") and all(any(n in a for a in argv) for n in needles)]
+            if argv and any(a.endswith("criu") for a in (argv if wrapped else argv[:1]))
+            and all(any(n in a for a in argv) for n in needles)]
 
 
 # -- host facts -----------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from typing import Iterable
 from relocator import waits
 from relocator.cell import netns
 from relocator.cell.cell import boot_id, fence_marker, list_cells, using_state_dir
-from relocator.procs import alive, descendants, process_table
+from relocator.procs import alive, criu_processes, descendants, process_table
 
 #: how long a fence sweeps again while the last sweep still found something running (a CRIU
 #: restore killed mid-way, a start that passed its check right before the marker was written)
@@ -39,8 +39,7 @@ def _criu_for(needles: list[str]) -> list[int]:
     CRIU itself (argv[0]) and, before it exec'd, its `unshare … sh -c … criu restore` wrapper
     (snapshot.criu.restore), whose arguments already name the cell's directory."""
     table = process_table()
-    roots = {pid for pid, (_, argv) in table.items()
-             if any(a.endswith("criu") for a in argv) and any(n in a for n in needles for a in argv)}
+    roots = {pid for n in needles for pid in criu_processes(table, n, wrapped=True)}
     return sorted(roots | {k for r in roots for k in descendants(r, table)})
 
 
